@@ -1,0 +1,151 @@
+"""triton: our own kernels (kernels.py). Always there when FA3 and FlashInfer are not, so it has to be fast.
+
+Runs compiled on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, for tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+
+import torch
+
+from ...device import package_version
+from ...spec import AttentionSpec
+from .. import Phase, RunFn
+
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # decode: unused
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def prefill_config(head_dim: int) -> TileConfig:
+    if interpreted():
+        return TileConfig(32, 32, 4, 1)
+    if head_dim <= 64:
+        return TileConfig(128, 64, 4, 3)
+    if head_dim <= 128:
+        return TileConfig(128, 64, 8, 3)
+    return TileConfig(64, 32, 4, 2)
+
+
+def decode_config(head_dim: int) -> TileConfig:
+    if interpreted():
+        return TileConfig(0, 32, 4, 1)
+    if head_dim <= 128:
+        return TileConfig(0, 64, 4, 3)
+    return TileConfig(0, 32, 4, 2)
+
+
+def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """KV splits per sequence so that the grid fills the GPU twice over, each split keeping >= 4 tiles of work."""
+    if device.type != "cuda":
+        return 1 if max_len <= 4 * block_n else 2  # the interpreter: still exercise the split path on long contexts
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = math.ceil(2 * sms / (batch * kv_heads))
+    return max(1, min(want, math.ceil(max_len / (4 * block_n)), 64))
+
+
+class TritonBackend:
+    name = "triton"
+
+    def version(self) -> str | None:
+        return package_version("triton")
+
+    def unsupported(self, spec: AttentionSpec, phase: Phase) -> str | None:
+        reasons = []
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("the triton package is not installed (pip install triton)")
+        if not interpreted():
+            if not torch.cuda.is_available():
+                reasons.append("no CUDA device (set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)")
+            elif torch.cuda.get_device_capability() < (8, 0):
+                major, minor = torch.cuda.get_device_capability()
+                reasons.append(f"needs CUDA compute capability >= 8.0, found {major}.{minor}")
+        if spec.dtype not in ("fp16", "bf16"):
+            reasons.append(f"dtype {spec.dtype} is not supported (fp16, bf16)")
+        if spec.head_dim > MAX_HEAD_DIM or spec.head_dim % 8:
+            reasons.append(f"head_dim {spec.head_dim} is not supported (multiples of 8 up to {MAX_HEAD_DIM})")
+        return "; ".join(reasons) or None
+
+    def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
+        from .kernels import LOG2E, prefill_kernel
+
+        cfg = prefill_config(spec.head_dim)
+        batch = cu_seqlens_q.numel() - 1
+        grid = (max(1, math.ceil(max_seqlen_q / cfg.block_m)), spec.num_q_heads, batch)
+        qk_scale = spec.scale * LOG2E
+        block_d = triton_next_pow2(spec.head_dim)
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        upcast = interpreted()
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(q)
+            prefill_kernel[grid](q, k, v, out, cu_q, cu_k, qk_scale,
+                                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                 out.stride(0), out.stride(1),
+                                 GROUP=spec.group_size, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
+                                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=spec.causal, UPCAST=upcast,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            return out
+
+        return run
+
+    def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
+        from .kernels import LOG2E, decode_kernel, decode_reduce_kernel
+
+        cfg = decode_config(spec.head_dim)
+        batch = seq_lens.numel()
+        max_len = int(seq_lens.max()) if batch else 1
+        splits = num_splits(batch, spec.num_kv_heads, max_len, cfg.block_n, seq_lens.device)
+        block_d = triton_next_pow2(spec.head_dim)
+        block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
+        device = seq_lens.device
+        page_table = page_table.to(torch.int32)
+        lens = seq_lens.to(torch.int32)
+        if splits > 1:
+            o_part = torch.empty(batch, spec.num_q_heads, splits, block_d, dtype=torch.float32, device=device)
+            lse_part = torch.empty(batch, spec.num_q_heads, splits, dtype=torch.float32, device=device)
+        else:
+            o_part = lse_part = lens  # unused placeholders
+        qk_scale = spec.scale * LOG2E
+        upcast = interpreted()
+        heads = spec.num_q_heads
+
+        def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(q)
+            part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
+            decode_kernel[(batch, spec.num_kv_heads, splits)](
+                q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, qk_scale, splits, heads,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
+                out.stride(0), out.stride(1), *part_strides,
+                GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
+                PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1, UPCAST=upcast,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            if splits > 1:
+                decode_reduce_kernel[(batch, heads)](
+                    out, o_part, lse_part, splits, heads, out.stride(0), out.stride(1), *part_strides,
+                    HEAD_DIM=spec.head_dim, BLOCK_D=block_d, BLOCK_S=triton_next_pow2(splits), num_warps=4)
+            return out
+
+        return run
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+BACKEND = TritonBackend()
