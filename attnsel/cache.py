@@ -1,0 +1,99 @@
+"""Persistent cache of validation results: one JSON file, file lock, atomic replace, schema version.
+
+One entry per (device fingerprint, spec, backend, backend version, phase). Selections are derived from the entries,
+so changing a priority list or an explicit choice needs no new validation. Timings are stored per mode
+("eager", "graph") inside the entry.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import filelock
+import platformdirs
+
+log = logging.getLogger(__name__)
+
+SCHEMA = 1
+ENV_DIR = "ATTNSEL_CACHE_DIR"
+FILENAME = "results.json"
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get(ENV_DIR) or platformdirs.user_cache_dir("attnsel"))
+
+
+def entry_key(fingerprint: dict, spec: dict, backend: str, version: str | None, phase: str) -> str:
+    blob = json.dumps({"device": fingerprint, "spec": spec, "backend": backend, "version": version, "phase": phase},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class ResultCache:
+    """The results file in ``directory``; every write holds the lock and replaces the file atomically."""
+
+    def __init__(self, directory: str | Path | None = None):
+        self.dir = Path(directory) if directory is not None else default_dir()
+        self.path = self.dir / FILENAME
+        self.lock = filelock.FileLock(str(self.path) + ".lock", timeout=120)
+
+    def _read(self) -> dict:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.warning("cache %s unreadable (%s); ignoring it", self.path, exc)
+            return {}
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            log.warning("cache %s is corrupt (%s); ignoring it, it will be rewritten", self.path, exc)
+            return {}
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            log.warning("cache %s has schema %r, expected %d; ignoring it, it will be rewritten", self.path, found,
+                        SCHEMA)
+            return {}
+        return data["entries"]
+
+    def get_many(self, keys: list[str]) -> dict[str, dict]:
+        entries = self._read()
+        return {k: entries[k] for k in keys if k in entries}
+
+    def put_many(self, new: dict[str, dict]) -> None:
+        """Merge entries into the file (re-read under the lock so that concurrent writers lose nothing)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with self.lock:
+            entries = self._read()
+            for key, entry in new.items():
+                merged = dict(entries.get(key, {}))
+                timings = {**merged.get("timings", {}), **entry.get("timings", {})}
+                merged.update(entry)
+                if timings:
+                    merged["timings"] = timings
+                entries[key] = merged
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".results-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump({"schema": SCHEMA, "entries": entries}, fh, indent=1, sort_keys=True)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+
+    def entries(self) -> dict[str, dict]:
+        return self._read()
+
+    def clear(self) -> int:
+        """Remove the results file; returns how many entries it held."""
+        with self.lock:
+            count = len(self._read())
+            self.path.unlink(missing_ok=True)
+        return count
