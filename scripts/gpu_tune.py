@@ -1,0 +1,106 @@
+"""Tile-config sweep of the Triton kernels against FA3 / FlashInfer / torch on the H200 (one device call).
+
+Usage (device): python3 scripts/gpu_tune.py OUT_DIR. Prints one line per measurement and writes tune.json.
+"""
+import json
+import sys
+import time
+
+import torch
+
+import attnsel.backends.triton as tb
+from attnsel.backends import get
+from attnsel.spec import AttentionSpec
+from attnsel.validate import cases
+from attnsel.validate.worker import bench, check_output
+
+out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+dev = torch.device("cuda")
+spec = AttentionSpec(32, 8, 128, "bf16", 16)
+rows = []
+
+
+def emit(**row):
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+# Bandwidth probes.
+x = torch.randn(1 << 30, dtype=torch.bfloat16, device=dev)
+y = torch.empty_like(x)
+t = bench(lambda: y.copy_(x), dev)
+emit(what="copy", tbps=2 * 2 * x.numel() / t / 1e12)
+t = bench(lambda: x.sum(dtype=torch.float32), dev)
+emit(what="read(sum)", tbps=2 * x.numel() / t / 1e12)
+del x, y
+
+names = ["torch", "triton", "fa3", "flashinfer", "flashinfer_cuda_cores"]
+for phase in ("prefill", "decode"):
+    case = (cases.prefill_case if phase == "prefill" else cases.decode_case)(spec, dev)
+    for name in names:
+        b = get(name)
+        why = b.unsupported(spec, phase)
+        if why:
+            emit(what="check", name=name, phase=phase, status="unavailable", reason=why)
+            continue
+        t0 = time.perf_counter()
+        try:
+            if phase == "prefill":
+                o = b.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)(case.q, case.k, case.v)
+            else:
+                o = b.plan_decode(spec, case.page_table, case.seq_lens)(case.q, case.k_cache, case.v_cache)
+            torch.cuda.synchronize()
+            r = check_output(spec, o, case)
+        except Exception as exc:
+            r = {"status": "error", "reason": repr(exc)}
+        emit(what="check", name=name, phase=phase, secs=time.perf_counter() - t0, **r)
+
+
+def time_prefill(run, w, lens):
+    t = bench(lambda: run(*w.inputs), dev)
+    return t * 1e6, cases.prefill_flops(spec, lens) / t / 1e12
+
+
+for label, lens in [("1x8192", [8192]), ("4x2048", [2048] * 4), ("32x256", [256] * 32)]:
+    w = cases.make_prefill_workload(spec, dev, label, lens)
+    for name in ["torch", "fa3", "flashinfer"]:
+        run = get(name).plan_prefill(spec, *w.plan_args)
+        us, tf = time_prefill(run, w, lens)
+        emit(what="prefill", shape=label, name=name, us=us, tflops=tf)
+    for cfg in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                (128, 64, 8, 4), (128, 32, 4, 3), (256, 64, 8, 3)]:
+        tb.prefill_config = lambda d, c=cfg: tb.TileConfig(*c)
+        try:
+            run = get("triton").plan_prefill(spec, *w.plan_args)
+            us, tf = time_prefill(run, w, lens)
+            emit(what="prefill", shape=label, name="triton", cfg=cfg, us=us, tflops=tf)
+        except Exception as exc:
+            emit(what="prefill", shape=label, name="triton", cfg=cfg, error=repr(exc)[:300])
+        if label != "1x8192":
+            break
+
+orig_splits = tb.num_splits
+for label, batch, ctx in [("64x4096", 64, 4096), ("1x4096", 1, 4096), ("16x2048", 16, 2048)]:
+    w = cases.make_decode_workload(spec, dev, label, batch, ctx)
+    nbytes = cases.decode_bytes(spec, batch, ctx)
+    for name in ["torch", "fa3", "flashinfer", "flashinfer_cuda_cores"]:
+        run = get(name).plan_decode(spec, *w.plan_args)
+        t = bench(lambda: run(*w.inputs), dev)
+        emit(what="decode", shape=label, name=name, us=t * 1e6, tbps=nbytes / t / 1e12)
+    for cfg in [(0, 64, 4, 3), (0, 32, 4, 3), (0, 64, 4, 4), (0, 128, 4, 3), (0, 64, 8, 3), (0, 16, 4, 3),
+                (0, 128, 8, 3), (0, 64, 4, 2), (0, 32, 2, 4)]:
+        for split_mult in ([1, 2, 4] if label == "64x4096" else [1]):
+            tb.decode_config = lambda d, c=cfg: tb.TileConfig(*c)
+            tb.num_splits = lambda b, h, n, bn, d, m=split_mult: max(1, orig_splits(b, h, n, bn, d) * m)
+            try:
+                run = get("triton").plan_decode(spec, *w.plan_args)
+                t = bench(lambda: run(*w.inputs), dev)
+                emit(what="decode", shape=label, name="triton", cfg=cfg, split_mult=split_mult,
+                     splits=tb.num_splits(batch, 8, ctx, cfg[1], dev), us=t * 1e6, tbps=nbytes / t / 1e12)
+            except Exception as exc:
+                emit(what="decode", shape=label, name="triton", cfg=cfg, error=repr(exc)[:300])
+        if label != "64x4096" and cfg == (0, 64, 4, 3):
+            break
+
+with open(f"{out_dir}/tune.json", "w") as fh:
+    json.dump(rows, fh, indent=1)
