@@ -58,8 +58,8 @@ def _tail(path: str) -> str:
             text = fh.read().decode(errors="replace")
     except OSError as exc:
         return f"(stderr unreadable: {exc})"
-    lines = [line for line in text.splitlines() if line.strip()]
-    return "\n".join(lines[-STDERR_TAIL_LINES:])
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("Extension modules:")]
+    return "\n".join(lines[-STDERR_TAIL_LINES:]) or "(empty)"
 
 
 def _death_reason(returncode: int | None, killed_for_timeout: float | None) -> str:
@@ -101,8 +101,11 @@ class _Worker:
         """The next event, None at EOF, or raises queue.Empty after timeout seconds."""
         return self.events.get(timeout=timeout)
 
-    def kill(self) -> None:
+    def kill(self, dump_stack: bool = False) -> None:
         try:
+            if dump_stack:  # the worker's faulthandler writes every thread's stack to stderr
+                os.kill(self.proc.pid, signal.SIGUSR1)
+                time.sleep(1.0)
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
@@ -177,7 +180,7 @@ def run_tasks(spec: AttentionSpec, tasks: list[tuple[str, str]], *, device: str,
                         stats.peak_gpu_mem_mb = max(stats.peak_gpu_mem_mb or 0, event["peak_gpu_mem_mb"])
         except TimeoutError:
             timed_out = timeout if in_flight is not None else STARTUP_TIMEOUT_S
-            worker.kill()
+            worker.kill(dump_stack=True)
         tail = worker.close()
         if not remaining:
             break

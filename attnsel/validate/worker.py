@@ -7,11 +7,13 @@ to stdout cannot corrupt the protocol; the parent captures stderr and quotes its
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import math
 import os
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -147,6 +149,8 @@ def main() -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    faulthandler.enable()  # a crash in a kernel library leaves the Python stack in the stderr tail
+    faulthandler.register(signal.SIGUSR1)  # the parent asks for the stack of a hung candidate before killing
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[worker] %(levelname)s %(message)s")
     job = json.load(sys.stdin)
     spec = AttentionSpec.from_dict(job["spec"])

@@ -1,0 +1,28 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Triton decides at decoration time whether to interpret: set before any kernel module is imported. CUDA machines
+# run the kernels compiled (the GPU tests), CPU machines in the interpreter.
+try:
+    import torch
+
+    _cuda = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _cuda = False
+if not _cuda:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Every test gets its own cache directory, no plugins unless it sets them, and `tests` importable in workers."""
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ATTNSEL_BACKENDS", raising=False)
+    monkeypatch.delenv("ATTNSEL_VALIDATION_TIMEOUT", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))

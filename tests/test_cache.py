@@ -1,0 +1,111 @@
+"""Persistent cache: warm runs spawn nothing, version changes invalidate, corrupt files recover, concurrent writers."""
+import json
+import logging
+import multiprocessing as mp
+
+import pytest
+
+import importlib
+
+select_mod = importlib.import_module("attnsel.select")  # the package exports the function under the same name
+from attnsel import select
+from attnsel.cache import SCHEMA, ResultCache
+from attnsel.spec import AttentionSpec
+from attnsel.validate import runner
+
+SPEC = AttentionSpec(4, 2, 64, "fp16")
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was spawned on a warm cache")
+
+    monkeypatch.setattr(runner, "_Worker", refuse)
+
+
+def test_warm_run_spawns_no_worker(monkeypatch):
+    cold = select(SPEC, policy="priority")
+    assert cold.cache == "miss" and cold.stats["spawns"] == 1
+    before = runner.spawn_count
+    monkeypatch.setattr(runner, "_Worker", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
+    warm = select(SPEC, policy="priority")
+    assert runner.spawn_count == before
+    assert warm.cache == "hit" and warm.stats["spawns"] == 0
+    assert (warm.prefill, warm.decode) == (cold.prefill, cold.decode)
+    assert all(c.from_cache for p in ("prefill", "decode") for c in warm.candidates[p] if c.status != "unavailable")
+
+
+def test_measure_timings_are_cached(monkeypatch):
+    cold = select(SPEC, policy="measure")  # torch and interpreted triton are both valid: both are timed
+    timed = [c for c in cold.candidates["decode"] if c.status in ("valid", "selected")]
+    assert len(timed) == 2 and all(c.score_us for c in timed)
+    monkeypatch.setattr(runner, "_Worker", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
+    warm = select(SPEC, policy="measure")
+    assert warm.cache == "hit"
+    assert [c.score_us for c in warm.candidates["decode"]] == [c.score_us for c in cold.candidates["decode"]]
+
+
+def test_other_spec_or_explicit_choice(monkeypatch):
+    select(SPEC, policy="priority")
+    # an explicit choice of an already validated backend needs no new validation
+    before = runner.spawn_count
+    sel = select(SPEC, prefill="torch", decode="triton", policy="priority")
+    assert runner.spawn_count == before and sel.decode == "triton" and sel.decode_source == "explicit"
+    # another spec is another key
+    other = select(AttentionSpec(4, 4, 64, "fp16"), policy="priority")
+    assert other.cache == "miss"
+
+
+def test_version_change_invalidates(monkeypatch):
+    select(SPEC, policy="priority")
+    fp = dict(select_mod.fingerprint("cpu"))
+    monkeypatch.setattr(select_mod, "fingerprint", lambda device: {**fp, "packages": {**fp["packages"],
+                                                                                      "triton": "99.0"}})
+    sel = select(SPEC, policy="priority")
+    assert sel.cache == "miss" and sel.stats["spawns"] == 1
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"schema": 1, "entr', '{"schema": 999, "entries": {}}', "[]", ""])
+def test_corrupt_file_is_logged_ignored_and_rewritten(content, caplog):
+    cache = ResultCache()
+    cache.dir.mkdir(parents=True, exist_ok=True)
+    cache.path.write_text(content)
+    with caplog.at_level(logging.WARNING):
+        sel = select(SPEC, policy="priority")
+    assert sel.cache == "miss"
+    if content:
+        assert f"cache {cache.path}" in caplog.text
+    data = json.loads(cache.path.read_text())
+    assert data["schema"] == SCHEMA and len(data["entries"]) == 4  # torch + triton, two phases
+
+
+def _writer(directory: str, worker: int, rounds: int) -> None:
+    cache = ResultCache(directory)
+    for r in range(rounds):
+        cache.put_many({f"w{worker}-r{r}": {"status": "valid", "backend": f"b{worker}", "phase": "prefill"}})
+
+
+def test_eight_concurrent_writers_leave_a_valid_file(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w, 15)) for w in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["schema"] == SCHEMA
+    assert set(data["entries"]) == {f"w{w}-r{r}" for w in range(8) for r in range(15)}
+
+
+def test_no_cache_neither_reads_nor_writes():
+    sel = select(SPEC, policy="priority", use_cache=False)
+    assert sel.cache == "off"
+    assert not ResultCache().path.exists()
+
+
+def test_clear():
+    select(SPEC, policy="priority")
+    assert ResultCache().clear() == 4
+    assert select(SPEC, policy="priority").cache == "miss"

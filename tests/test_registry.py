@@ -1,0 +1,36 @@
+"""Registry: built-ins, plugins from the environment, broken plugins, unknown names."""
+import pytest
+
+from attnsel import backends, select
+from attnsel.backends import UnknownBackendError
+from attnsel.spec import AttentionSpec
+
+
+def test_builtins_registered():
+    assert {"torch", "triton", "fa3", "flashinfer", "flashinfer_cuda_cores"} <= set(backends.names())
+
+
+def test_unknown_name_lists_valid_ones():
+    with pytest.raises(UnknownBackendError, match="unknown backend 'nope'; valid names: fa3, flashinfer"):
+        backends.get("nope")
+
+
+def test_env_plugin_is_validated_like_a_builtin(monkeypatch):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:WRONG_PREFILL")
+    assert "wrong_prefill" in backends.names()
+    sel = select(AttentionSpec(4, 2, 64, "fp16"), policy="priority")
+    cand = {c.name: c for c in sel.candidates["prefill"]}["wrong_prefill"]
+    assert cand.status == "rejected" and "exceeds tolerance" in cand.reason
+    # plugins join the default priority list before torch
+    assert [c.name for c in sel.candidates["prefill"]][-2:] == ["wrong_prefill", "torch"]
+
+
+def test_broken_plugin_is_reported_not_hidden(monkeypatch, caplog):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.broken_plugin:BACKEND,tests.fault_backends:PREFILL")
+    names = backends.names()
+    assert "tests.broken_plugin:BACKEND" in names
+    reason = backends.get("tests.broken_plugin:BACKEND").unsupported(AttentionSpec(4, 2, 64), "prefill")
+    assert reason.startswith("plugin tests.broken_plugin:BACKEND failed to load: ModuleNotFoundError")
+    # an object that is not a backend (a dict) is refused with the missing methods named
+    assert "backend protocol" in backends.get("tests.fault_backends:PREFILL").unsupported(AttentionSpec(4, 2, 64),
+                                                                                        "prefill")
