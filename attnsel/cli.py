@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time every valid backend over a grid of shapes (needs CUDA)")
     add_spec_args(p)
     p.add_argument("--backends", type=_names, metavar="A,B,...", help="backends to time (default: all available)")
-    p.add_argument("--mode", choices=MODES, default="eager")
+    p.add_argument("--mode", choices=(*MODES, "both"), default="both", help="eager launches, CUDA graphs, or both")
     p.add_argument("--out", metavar="DIR", default="bench-out", help="where to write the table and plot")
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.set_defaults(func=cmd_bench)
