@@ -24,6 +24,7 @@ from . import Phase, RunFn
 log = logging.getLogger(__name__)
 
 HEAD_DIMS = (64, 128, 256)
+CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE in flashinfer/utils.cuh
 WORKSPACE_ENV = "ATTNSEL_FLASHINFER_WORKSPACE_MB"
 
 
@@ -104,6 +105,9 @@ class FlashInferBackend:
                            f"{', '.join(map(str, HEAD_DIMS))})")
         if phase == "prefill" and not self.tensor_cores:
             reasons.append("this variant differs from flashinfer only in decode; its prefill is flashinfer's")
+        if phase == "decode" and not self.tensor_cores and spec.group_size not in CUDA_CORE_GROUP_SIZES:
+            reasons.append(f"GQA group size {spec.group_size} is not supported by FlashInfer's CUDA-core decode "
+                           f"(supported: {', '.join(map(str, CUDA_CORE_GROUP_SIZES))})")
         return "; ".join(r for r in reasons if r) or None
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,

@@ -1,0 +1,293 @@
+"""Hugging Face transformers integration: attention implementations ``"attnsel"`` and ``"paged|attnsel"``.
+
+``register()`` once, before loading the model, then ``from_pretrained(..., attn_implementation="attnsel")`` for
+``generate`` or ``"paged|attnsel"`` for continuous batching (``generate_batch``). The backend selection runs once per
+model shape and device at the first attention call (or explicitly with ``select_for_model``), with the same
+options, environment and cache as the CLI, and is logged as ``prefill: X, decode: Y``.
+
+Dense path: the 2D padding mask is unpadded into a ragged batch for prefill; one-token steps go through the paged
+decode API (the dense cache rows are gathered into pages, left-aligned). Paged path (transformers 5.17): decode-only
+steps write the new tokens into transformers' own cache tensors and read them in place through a page table derived
+from its read index; steps with prefill tokens go through the ragged prefill API.
+Calls the selected backend cannot serve (sliding windows, dropout, non-causal attention) fall back to the torch
+backend, logged once per reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+
+import torch
+
+from ..backends.torch_sdpa import sdpa
+from ..select import Selection, select
+from ..spec import AttentionSpec, dtype_name, hf_fields
+
+log = logging.getLogger(__name__)
+
+NAME = "attnsel"
+PAGED_NAME = "paged|attnsel"
+PAGED_VERSIONS = ("5.17",)  # custom paged implementations are accepted (5.19 refuses them; 5.18 changed the cache)
+DENSE_PAGE_SIZE = 16
+ENV_PREFILL, ENV_DECODE = "ATTNSEL_PREFILL_BACKEND", "ATTNSEL_DECODE_BACKEND"
+
+_options: dict = {}
+_selections: dict = {}
+_logged: set = set()
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def paged_unsupported() -> str | None:
+    """Why "paged|attnsel" cannot be registered with the installed transformers, or None."""
+    version = _transformers_version()
+    if ".".join(version.split(".")[:2]) not in PAGED_VERSIONS:
+        return (f"the paged implementation needs transformers {' or '.join(PAGED_VERSIONS)} (found {version}): later "
+                "versions accept only flash-named or Hub-kernel implementations for continuous batching")
+    return None
+
+
+def register(prefill: str | None = None, decode: str | None = None, **select_options) -> list[str]:
+    """Register the attnsel attention implementations with transformers; returns the names registered.
+
+    prefill/decode: "auto" or a backend name (default $ATTNSEL_PREFILL_BACKEND / $ATTNSEL_DECODE_BACKEND or auto);
+    select_options go to ``attnsel.select`` (policy, mode, priorities, timeout, cache_dir, use_cache).
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as exc:
+        raise RuntimeError("attnsel.integrations.hf needs transformers >= 5.0 with AttentionInterface and "
+                           f"AttentionMaskInterface ({exc})") from exc
+    _options.clear()
+    _options.update(select_options, prefill=prefill or os.environ.get(ENV_PREFILL, "auto"),
+                    decode=decode or os.environ.get(ENV_DECODE, "auto"))
+    _selections.clear()
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)  # 2D padding mask (or None), unpadded here
+    names = [NAME]
+    reason = paged_unsupported()
+    if reason is None:
+        AttentionInterface.register(PAGED_NAME, paged_attention_forward)
+        names.append(PAGED_NAME)
+    else:
+        log.warning("attnsel: %s registered; %s not registered: %s", NAME, PAGED_NAME, reason)
+    return names
+
+
+def model_spec(config, dtype: torch.dtype, page_size: int, scaling: float | None = None) -> AttentionSpec:
+    """AttentionSpec of a transformers model config at the model's dtype."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    fields = hf_fields(data)
+    fields.update(dtype=dtype_name(dtype), page_size=page_size)
+    if scaling is not None and not math.isclose(scaling, fields["head_dim"] ** -0.5, rel_tol=1e-6):
+        fields["softmax_scale"] = float(scaling)
+    return AttentionSpec(**fields)
+
+
+def selection_for(spec: AttentionSpec, device: torch.device) -> Selection:
+    """The Selection for a spec on a device, made once per process (the persistent cache makes later starts fast)."""
+    key = (spec, str(device))
+    if key not in _selections:
+        opts = dict(_options) or {"prefill": os.environ.get(ENV_PREFILL, "auto"),
+                                  "decode": os.environ.get(ENV_DECODE, "auto")}
+        sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
+        log.info("attnsel for %d/%d heads, head_dim %d, %s on %s: prefill: %s, decode: %s", spec.num_q_heads,
+                 spec.num_kv_heads, spec.head_dim, spec.dtype, device, sel.prefill, sel.decode)
+        _selections[key] = sel
+    return _selections[key]
+
+
+def select_for_model(model, page_size: int = DENSE_PAGE_SIZE) -> Selection:
+    """Run the selection for a loaded model now (instead of at its first attention call)."""
+    param = next(model.parameters())
+    return selection_for(model_spec(model.config, param.dtype, page_size), param.device)
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("attnsel: falling back to the torch backend: %s", reason)
+
+
+def _cannot_serve(module, dropout: float, kwargs: dict) -> str | None:
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+        return "non-causal attention"
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+        return f"sliding-window attention (window {kwargs.get('sliding_window') or module.sliding_window})"
+    if dropout and module.training:
+        return "attention dropout in training"
+    if kwargs.get("softcap"):
+        return "logit softcapping"
+    return None
+
+
+# --- dense path (generate) ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _DensePlan:
+    mask: torch.Tensor | None  # kept alive: identity proves the plan belongs to this step's mask
+    shape: tuple
+    decode: bool
+    run: object
+    q_index: tuple  # (rows, positions) of the real query tokens
+    k_index: tuple  # (rows, positions) of the real key tokens; decode: gather grid [B, padded length]
+
+
+_dense_plan: _DensePlan | None = None
+
+
+def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: int, len_kv: int,
+                device: torch.device) -> _DensePlan:
+    global _dense_plan
+    shape = (batch, len_q, len_kv, sel.prefill, sel.decode)
+    if _dense_plan is not None and _dense_plan.mask is mask and _dense_plan.shape == shape:
+        return _dense_plan
+    kmask = mask.bool() if mask is not None else torch.ones(batch, len_kv, dtype=torch.bool, device=device)
+    qmask = kmask[:, -len_q:]
+    q_lens, k_lens = qmask.sum(1), kmask.sum(1)
+    if len_q == 1 and bool((q_lens == 1).all()):
+        ps = sel.spec.page_size
+        padded = math.ceil(int(k_lens.max()) / ps) * ps
+        order = torch.argsort((~kmask).to(torch.int8), dim=1, stable=True)  # real positions first, in order
+        if padded > len_kv:
+            order = torch.cat([order, order[:, -1:].expand(batch, padded - len_kv)], 1)
+        pos = order[:, :padded]
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, padded)
+        pages = padded // ps
+        page_table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
+        run = sel.plan_decode(page_table, k_lens.to(torch.int32))
+        _dense_plan = _DensePlan(mask, shape, True, run, (), (rows, pos))
+    else:
+        cu_q = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        cu_q[1:], cu_k[1:] = torch.cumsum(q_lens, 0), torch.cumsum(k_lens, 0)
+        run = sel.plan_prefill(cu_q, cu_k, int(q_lens.max()), int(k_lens.max()))
+        _dense_plan = _DensePlan(mask, shape, False, run, qmask.nonzero(as_tuple=True), kmask.nonzero(as_tuple=True))
+    return _dense_plan
+
+
+def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query ``[B, H, Sq, D]``, key/value ``[B, KVH, Skv, D]``; out ``[B, Sq, H, D]``."""
+    batch, _, len_q, _ = query.shape
+    len_kv = key.shape[2]
+    why = _cannot_serve(module, dropout, kwargs)
+    if why is None and attention_mask is not None and attention_mask.dim() != 2:
+        why = f"a {attention_mask.dim()}D attention mask (attnsel registers a 2D padding mask)"
+    if why is not None:
+        _log_once(why)
+        return _torch_dense(query, key, value, attention_mask, scaling, kwargs.get("sliding_window")), None
+    sel = selection_for(model_spec(module.config, query.dtype, DENSE_PAGE_SIZE, scaling), query.device)
+    plan = _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device)
+    k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Skv, KVH, D] views
+    if plan.decode:
+        rows, pos = plan.k_index
+        kvh, d = k.shape[2:]
+        k_pages = k[rows, pos].view(-1, sel.spec.page_size, kvh, d)
+        v_pages = v[rows, pos].view(-1, sel.spec.page_size, kvh, d)
+        out = plan.run(query[:, :, 0].contiguous(), k_pages, v_pages)
+        return out[:, None], None
+    q_rows, q_pos = plan.q_index
+    k_rows, k_pos = plan.k_index
+    packed = plan.run(query.transpose(1, 2)[q_rows, q_pos], k[k_rows, k_pos], v[k_rows, k_pos])
+    out = query.new_zeros(batch, len_q, query.shape[1], query.shape[3])
+    out[q_rows, q_pos] = packed
+    return out, None
+
+
+def _torch_dense(query, key, value, mask2d, scaling, window) -> torch.Tensor:
+    """The torch backend on the dense layout: bottom-right causal, padding and sliding-window mask."""
+    len_q, len_kv = query.shape[2], key.shape[2]
+    q_pos = torch.arange(len_kv - len_q, len_kv, device=query.device)[:, None]
+    k_pos = torch.arange(len_kv, device=query.device)[None, :]
+    keep = k_pos <= q_pos
+    if window:
+        keep = keep & (k_pos > q_pos - window)
+    keep = keep[None, None]
+    if mask2d is not None:
+        keep = keep & mask2d.bool()[:, None, None, :] if mask2d.dim() == 2 else keep & mask2d.bool()
+    keep = keep | ~keep.any(-1, keepdim=True)  # fully padded query rows: any finite output, ignored by the model
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return sdpa(query, key, value, scale, mask=keep).transpose(1, 2)
+
+
+# --- paged path (continuous batching, transformers 5.17) ------------------------------------------------------------
+
+@dataclasses.dataclass
+class _PagedPlan:
+    keys: tuple  # tensors whose identity and version identify the step
+    versions: tuple
+    run: object
+
+
+_paged_plans: dict = {}
+
+
+def _step_plan(kind: str, tensors: tuple, make) -> object:
+    versions = tuple(t._version for t in tensors)
+    plan = _paged_plans.get(kind)
+    if plan is None or any(a is not b for a, b in zip(plan.keys, tensors)) or plan.versions != versions:
+        plan = _PagedPlan(tensors, versions, make())
+        _paged_plans[kind] = plan
+    return plan.run
+
+
+def paged_page_table(read_index: torch.Tensor, cu_k: torch.Tensor, block_size: int) -> tuple:
+    """(page_table, seq_lens) of a decode step from transformers' read index: sequence i reads slots
+    ``read_index[cu_k[i]:cu_k[i+1]]``, which lie block by block in its pages."""
+    lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+    max_pages = max(1, math.ceil(int(lens.max()) / block_size))
+    offsets = cu_k[:-1, None].long() + torch.arange(max_pages, device=cu_k.device)[None, :] * block_size
+    valid = offsets < cu_k[1:, None].long()
+    slots = read_index[offsets.clamp(max=read_index.numel() - 1)]
+    page_table = torch.where(valid, slots // block_size, torch.zeros_like(slots)).to(torch.int32)
+    return page_table, lens
+
+
+def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                            max_seqlen_q=None, max_seqlen_k=None, read_index=None, write_index=None,
+                            scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """Continuous-batching attention: query ``[1, H, T, D]`` packed, key/value the new tokens; out ``[1, T, H, D]``."""
+    if cache is None:
+        raise ValueError(f"{PAGED_NAME} was called without a paged attention cache: load the model with "
+                         f"attn_implementation='{NAME}' for plain forward/generate calls")
+    if isinstance(cu_seq_lens_k, dict):
+        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k["full_attention"], max_seqlen_k["full_attention"]
+    why = _cannot_serve(module, dropout, kwargs)
+    if why is not None:
+        from transformers.integrations.sdpa_paged import sdpa_attention_paged_forward
+
+        _log_once(f"{why} (paged: transformers' paged sdpa)")
+        return sdpa_attention_paged_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                            scaling=scaling, cache=cache, read_index=read_index,
+                                            write_index=write_index, **kwargs)
+    group, layer_in_group = cache.layer_index_to_group_indices[module.layer_idx]
+    block = cache.block_size
+    sel = selection_for(model_spec(module.config, query.dtype, block, scaling), query.device)
+    tokens = query.shape[2]
+    batch = cu_seq_lens_q.numel() - 1
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+    if max_seqlen_q == 1 and tokens == batch and read_index[group].numel() > 0:
+        k_cache, v_cache = cache.key_cache[layer_in_group], cache.value_cache[layer_in_group]
+        k_cache.index_copy_(0, write_index[group], key[0].transpose(0, 1))
+        v_cache.index_copy_(0, write_index[group], value[0].transpose(0, 1))
+        run = _step_plan("decode", (read_index[group], cu_seq_lens_k),
+                         lambda: sel.plan_decode(*paged_page_table(read_index[group], cu_seq_lens_k, block)))
+        kvh, d = k_cache.shape[-2:]
+        out = run(q, k_cache.view(-1, block, kvh, d), v_cache.view(-1, block, kvh, d))
+        return out[None], None
+    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
+                        write_index=write_index)
+    run = _step_plan("prefill", (cu_seq_lens_q, cu_seq_lens_k),
+                     lambda: sel.plan_prefill(cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
+                                              int(max_seqlen_q), int(max_seqlen_k)))
+    return run(q, k.contiguous(), v.contiguous())[None], None

@@ -1,0 +1,144 @@
+"""transformers integration: tiny random models (no downloads) generate the same tokens as sdpa."""
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler  # noqa: E402
+
+from attnsel.integrations import hf  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [12, 13], [20, 21, 22, 23, 24]]
+NEW_TOKENS = 32
+
+
+def tiny(kind: str, **extra):
+    common = dict(vocab_size=256, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
+                  initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen2":  # GQA 7:1 like Qwen2-7B's 28/4 heads
+        cfg = transformers.Qwen2Config(hidden_size=224, num_attention_heads=28, num_key_value_heads=4,
+                                       use_sliding_window=False, **common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        cfg = transformers.MistralConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                         sliding_window=extra.pop("sliding_window", None), **common)
+        cls = transformers.MistralForCausalLM
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    return cls, cfg
+
+
+@pytest.fixture
+def saved(tmp_path):
+    def make(kind, **extra):
+        cls, cfg = tiny(kind, **extra)
+        torch.manual_seed(0)
+        cls(cfg).eval().save_pretrained(tmp_path / kind)
+        return cls, str(tmp_path / kind)
+
+    return make
+
+
+def padded_batch():
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    return ids, (ids != 0).long()
+
+
+def dense_pair(cls, path, dtype=torch.float32):
+    ref = cls.from_pretrained(path, attn_implementation="sdpa", dtype=dtype).eval()
+    ours = cls.from_pretrained(path, attn_implementation="attnsel", dtype=dtype).eval()
+    return ref, ours
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    hf.register(policy="priority")
+    yield
+    hf._dense_plan = None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_greedy_generation_matches_sdpa(saved, kind, caplog):
+    cls, path = saved(kind)
+    ref, ours = dense_pair(cls, path)
+    ids, mask = padded_batch()
+    gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    with caplog.at_level(logging.INFO, logger="attnsel"):
+        expected = ref.generate(input_ids=ids, attention_mask=mask, **gen)
+        got = ours.generate(input_ids=ids, attention_mask=mask, **gen)
+    assert torch.equal(expected, got)
+    assert "prefill: torch, decode: torch" in caplog.text  # the selection is logged (CPU: torch wins)
+    assert "falling back" not in caplog.text
+    la = ref(input_ids=ids, attention_mask=mask).logits
+    lb = ours(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(lb[real], la[real], rtol=1e-4, atol=1e-4)
+
+
+def test_triton_kernels_in_the_dense_path(saved, monkeypatch):
+    """The dense path on the Triton kernels (interpreted on CPU), fp16: logits of a prefill and a decode step."""
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU run")
+    hf.register(prefill="triton", decode="triton", policy="priority")
+    cls, path = saved("llama")
+    ref, ours = dense_pair(cls, path, dtype=torch.float16)
+    ids, mask = padded_batch()
+    out = ref(input_ids=ids, attention_mask=mask, use_cache=True)
+    ours_out = ours(input_ids=ids, attention_mask=mask, use_cache=True)
+    real = mask.bool()
+    torch.testing.assert_close(ours_out.logits[real].float(), out.logits[real].float(), rtol=2e-2, atol=2e-2)
+    step = torch.tensor([[3], [4], [5]])
+    mask2 = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    a = ref(input_ids=step, attention_mask=mask2, past_key_values=out.past_key_values).logits
+    b = ours(input_ids=step, attention_mask=mask2, past_key_values=ours_out.past_key_values).logits
+    torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+    assert hf._dense_plan.decode  # the one-token step went through the paged decode API
+
+
+def test_sliding_window_falls_back_to_torch_and_says_so_once(saved, caplog):
+    cls, path = saved("mistral", sliding_window=6)
+    ref, ours = dense_pair(cls, path)
+    ids, mask = padded_batch()
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with caplog.at_level(logging.WARNING, logger="attnsel"):
+        got = ours.generate(input_ids=ids, attention_mask=mask, **gen)
+    assert torch.equal(ref.generate(input_ids=ids, attention_mask=mask, **gen), got)
+    assert caplog.text.count("falling back to the torch backend: sliding-window attention (window 6)") == 1
+
+
+@pytest.mark.skipif(hf.paged_unsupported() is not None, reason="paged path needs transformers 5.17")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_continuous_batching_matches_paged_sdpa(saved, kind, monkeypatch):
+    if not torch.cuda.is_available():
+        # transformers sizes the paged cache from free GPU memory and finds none on a CPU machine
+        monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
+    calls = []
+    real_page_table = hf.paged_page_table
+    monkeypatch.setattr(hf, "paged_page_table", lambda *a: calls.append(1) or real_page_table(*a))
+    cls, path = saved(kind)
+    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=256)  # decode spans pages
+    outs = {}
+    for name in ("paged|sdpa", "paged|attnsel"):
+        model = cls.from_pretrained(path, attn_implementation=name).eval()
+        res = model.generate_batch(inputs=PROMPTS, generation_config=gen, continuous_batching_config=cb)
+        outs[name] = [[int(t) for t in res[k].generated_tokens] for k in sorted(res)]
+    assert outs["paged|attnsel"] == outs["paged|sdpa"]
+    assert all(len(t) == NEW_TOKENS for t in outs["paged|attnsel"])
+    assert calls, "decode steps never took the in-place paged decode path"
+
+
+def test_paged_name_without_cache_is_a_clear_error(saved):
+    cls, path = saved("llama")
+    if hf.paged_unsupported():
+        pytest.skip(hf.paged_unsupported())
+    model = cls.from_pretrained(path, attn_implementation="paged|attnsel").eval()
+    with pytest.raises(ValueError, match="paged\\|attnsel was called without a paged attention cache"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
