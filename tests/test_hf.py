@@ -61,7 +61,6 @@ def dense_pair(cls, path, dtype=torch.float32):
 def _registered():
     hf.register(policy="priority")
     yield
-    hf._dense_plan = None
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
@@ -99,7 +98,7 @@ def test_triton_kernels_in_the_dense_path(saved, monkeypatch):
     a = ref(input_ids=step, attention_mask=mask2, past_key_values=out.past_key_values).logits
     b = ours(input_ids=step, attention_mask=mask2, past_key_values=ours_out.past_key_values).logits
     torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
-    assert hf._dense_plan.decode  # the one-token step went through the paged decode API
+    assert hf._dense_steps.plan.decode  # the one-token step went through the paged decode API
 
 
 def test_sliding_window_falls_back_to_torch_and_says_so_once(saved, caplog):

@@ -130,25 +130,38 @@ def _cannot_serve(module, dropout: float, kwargs: dict) -> str | None:
 
 # --- dense path (generate) ------------------------------------------------------------------------------------------
 
+class _StepPlans:
+    """One plan per forward step: a step begins when a layer index does not exceed the previous call's (layers run
+    in order), or when the kind of step changes. Tensor identity or version counters are not reliable for this:
+    transformers refills static input buffers in ways that do not always bump a tensor's version."""
+
+    def __init__(self) -> None:
+        self.layer: int | None = None
+        self.key = None
+        self.plan = None
+
+    def get(self, layer_idx: int | None, key, make):
+        new_step = layer_idx is None or self.layer is None or layer_idx <= self.layer
+        if self.plan is None or new_step or key != self.key:
+            self.plan, self.key = make(), key
+        self.layer = layer_idx
+        return self.plan
+
+
+_dense_steps = _StepPlans()
+_paged_steps = _StepPlans()
+
+
 @dataclasses.dataclass
 class _DensePlan:
-    mask: torch.Tensor | None  # kept alive: identity proves the plan belongs to this step's mask
-    shape: tuple
     decode: bool
     run: object
     q_index: tuple  # (rows, positions) of the real query tokens
     k_index: tuple  # (rows, positions) of the real key tokens; decode: gather grid [B, padded length]
 
 
-_dense_plan: _DensePlan | None = None
-
-
 def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: int, len_kv: int,
                 device: torch.device) -> _DensePlan:
-    global _dense_plan
-    shape = (batch, len_q, len_kv, sel.prefill, sel.decode)
-    if _dense_plan is not None and _dense_plan.mask is mask and _dense_plan.shape == shape:
-        return _dense_plan
     kmask = mask.bool() if mask is not None else torch.ones(batch, len_kv, dtype=torch.bool, device=device)
     qmask = kmask[:, -len_q:]
     q_lens, k_lens = qmask.sum(1), kmask.sum(1)
@@ -162,15 +175,13 @@ def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: in
         rows = torch.arange(batch, device=device)[:, None].expand(batch, padded)
         pages = padded // ps
         page_table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
-        run = sel.plan_decode(page_table, k_lens.to(torch.int32))
-        _dense_plan = _DensePlan(mask, shape, True, run, (), (rows, pos))
+        return _DensePlan(True, sel.plan_decode(page_table, k_lens.to(torch.int32)), (), (rows, pos))
     else:
         cu_q = torch.zeros(batch + 1, dtype=torch.int32, device=device)
         cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
         cu_q[1:], cu_k[1:] = torch.cumsum(q_lens, 0), torch.cumsum(k_lens, 0)
         run = sel.plan_prefill(cu_q, cu_k, int(q_lens.max()), int(k_lens.max()))
-        _dense_plan = _DensePlan(mask, shape, False, run, qmask.nonzero(as_tuple=True), kmask.nonzero(as_tuple=True))
-    return _dense_plan
+        return _DensePlan(False, run, qmask.nonzero(as_tuple=True), kmask.nonzero(as_tuple=True))
 
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -186,7 +197,8 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         _log_once(why)
         return _torch_dense(query, key, value, attention_mask, scaling, kwargs.get("sliding_window")), None
     sel = selection_for(model_spec(module.config, query.dtype, DENSE_PAGE_SIZE, scaling), query.device)
-    plan = _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device)
+    plan = _dense_steps.get(getattr(module, "layer_idx", None), (batch, len_q, len_kv, sel.prefill, sel.decode),
+                            lambda: _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device))
     k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Skv, KVH, D] views
     if plan.decode:
         rows, pos = plan.k_index
@@ -220,25 +232,6 @@ def _torch_dense(query, key, value, mask2d, scaling, window) -> torch.Tensor:
 
 
 # --- paged path (continuous batching, transformers 5.17) ------------------------------------------------------------
-
-@dataclasses.dataclass
-class _PagedPlan:
-    keys: tuple  # tensors whose identity and version identify the step
-    versions: tuple
-    run: object
-
-
-_paged_plans: dict = {}
-
-
-def _step_plan(kind: str, tensors: tuple, make) -> object:
-    versions = tuple(t._version for t in tensors)
-    plan = _paged_plans.get(kind)
-    if plan is None or any(a is not b for a, b in zip(plan.keys, tensors)) or plan.versions != versions:
-        plan = _PagedPlan(tensors, versions, make())
-        _paged_plans[kind] = plan
-    return plan.run
-
 
 def paged_page_table(read_index: torch.Tensor, cu_k: torch.Tensor, block_size: int) -> tuple:
     """(page_table, seq_lens) of a decode step from transformers' read index: sequence i reads slots
@@ -280,14 +273,14 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         k_cache, v_cache = cache.key_cache[layer_in_group], cache.value_cache[layer_in_group]
         k_cache.index_copy_(0, write_index[group], key[0].transpose(0, 1))
         v_cache.index_copy_(0, write_index[group], value[0].transpose(0, 1))
-        run = _step_plan("decode", (read_index[group], cu_seq_lens_k),
-                         lambda: sel.plan_decode(*paged_page_table(read_index[group], cu_seq_lens_k, block)))
+        run = _paged_steps.get(module.layer_idx, ("decode", group, sel.decode),
+                               lambda: sel.plan_decode(*paged_page_table(read_index[group], cu_seq_lens_k, block)))
         kvh, d = k_cache.shape[-2:]
         out = run(q, k_cache.view(-1, block, kvh, d), v_cache.view(-1, block, kvh, d))
         return out[None], None
     k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
                         write_index=write_index)
-    run = _step_plan("prefill", (cu_seq_lens_q, cu_seq_lens_k),
-                     lambda: sel.plan_prefill(cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
-                                              int(max_seqlen_q), int(max_seqlen_k)))
+    run = _paged_steps.get(module.layer_idx, ("prefill", group, sel.prefill),
+                           lambda: sel.plan_prefill(cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
+                                                    int(max_seqlen_q), int(max_seqlen_k)))
     return run(q, k.contiguous(), v.contiguous())[None], None
