@@ -31,7 +31,7 @@ g = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_
 for device, dtype, replan in [("cpu", torch.float32, False), ("cpu", torch.float32, True), ("cuda", torch.float32, False),
                               ("cuda", torch.bfloat16, False), ("cuda", torch.bfloat16, True)]:
     if replan:
-        hf._paged_steps.get = lambda layer, key, make: make()
+        hf._paged_steps.get = lambda layer, key, make, device: make()
     cb = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=256)
     outs = {}
     for name in ("paged|sdpa", "paged|attnsel"):

@@ -133,15 +133,19 @@ def _cannot_serve(module, dropout: float, kwargs: dict) -> str | None:
 class _StepPlans:
     """One plan per forward step: a step begins when a layer index does not exceed the previous call's (layers run
     in order), or when the kind of step changes. Tensor identity or version counters are not reliable for this:
-    transformers refills static input buffers in ways that do not always bump a tensor's version."""
+    transformers refills static input buffers in ways that do not always bump a tensor's version.
+
+    Off CUDA every call plans afresh: reusing a step's plan across layers gave NaN outputs for a CPU-resident model
+    under the device machine's torch 2.11 (2026-12-02, scripts/hf_debug.py; CUDA runs were token-identical either
+    way, the cause was not found). Planning is cheap next to CPU attention."""
 
     def __init__(self) -> None:
         self.layer: int | None = None
         self.key = None
         self.plan = None
 
-    def get(self, layer_idx: int | None, key, make):
-        new_step = layer_idx is None or self.layer is None or layer_idx <= self.layer
+    def get(self, layer_idx: int | None, key, make, device: torch.device):
+        new_step = device.type != "cuda" or layer_idx is None or self.layer is None or layer_idx <= self.layer
         if self.plan is None or new_step or key != self.key:
             self.plan, self.key = make(), key
         self.layer = layer_idx
@@ -198,7 +202,8 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         return _torch_dense(query, key, value, attention_mask, scaling, kwargs.get("sliding_window")), None
     sel = selection_for(model_spec(module.config, query.dtype, DENSE_PAGE_SIZE, scaling), query.device)
     plan = _dense_steps.get(getattr(module, "layer_idx", None), (batch, len_q, len_kv, sel.prefill, sel.decode),
-                            lambda: _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device))
+                            lambda: _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device),
+                            query.device)
     k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Skv, KVH, D] views
     if plan.decode:
         rows, pos = plan.k_index
@@ -274,7 +279,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         k_cache.index_copy_(0, write_index[group], key[0].transpose(0, 1))
         v_cache.index_copy_(0, write_index[group], value[0].transpose(0, 1))
         run = _paged_steps.get(module.layer_idx, ("decode", group, sel.decode),
-                               lambda: sel.plan_decode(*paged_page_table(read_index[group], cu_seq_lens_k, block)))
+                               lambda: sel.plan_decode(*paged_page_table(read_index[group], cu_seq_lens_k, block)),
+                               query.device)
         kvh, d = k_cache.shape[-2:]
         out = run(q, k_cache.view(-1, block, kvh, d), v_cache.view(-1, block, kvh, d))
         return out[None], None
@@ -282,5 +288,6 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                         write_index=write_index)
     run = _paged_steps.get(module.layer_idx, ("prefill", group, sel.prefill),
                            lambda: sel.plan_prefill(cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
-                                                    int(max_seqlen_q), int(max_seqlen_k)))
+                                                    int(max_seqlen_q), int(max_seqlen_k)),
+                           query.device)
     return run(q, k.contiguous(), v.contiguous())[None], None
