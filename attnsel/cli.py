@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
 
 from rich.console import Console
@@ -43,10 +44,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("selection")
-    g.add_argument("--llm_prefill_att_backend", "--prefill-backend", dest="prefill", default=AUTO,
-                   help="'auto' (default) or a backend name")
-    g.add_argument("--llm_decode_att_backend", "--decode-backend", dest="decode", default=AUTO,
-                   help="'auto' (default) or a backend name")
+    g.add_argument("--llm_prefill_att_backend", "--prefill-backend", dest="prefill",
+                   default=os.environ.get("ATTNSEL_PREFILL_BACKEND", AUTO),
+                   help="'auto' (default; $ATTNSEL_PREFILL_BACKEND) or a backend name")
+    g.add_argument("--llm_decode_att_backend", "--decode-backend", dest="decode",
+                   default=os.environ.get("ATTNSEL_DECODE_BACKEND", AUTO),
+                   help="'auto' (default; $ATTNSEL_DECODE_BACKEND) or a backend name")
     g.add_argument("--policy", choices=POLICIES, default="measure",
                    help="auto: time valid candidates (measure, default) or take the first valid (priority)")
     g.add_argument("--mode", choices=MODES, default="eager",
