@@ -64,20 +64,14 @@ def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: to
     """name -> "" for backends that pass the validation case, else the reason. Runs in this process: bench is a
     developer's tool, not a server start, so a crashing library ends the bench instead of being isolated."""
     status = {}
-    case = (cases.prefill_case if phase == "prefill" else cases.decode_case)(spec, device)
+    case = cases.make_case(spec, phase, device)
     for name in names:
         backend = backends.get(name)
         reason = backend.unsupported(spec, phase)
         if not reason:
             t0 = time.perf_counter()
             try:
-                if phase == "prefill":
-                    out = backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)(case.q, case.k,
-                                                                                                   case.v)
-                else:
-                    out = backend.plan_decode(spec, case.page_table, case.seq_lens)(case.q, case.k_cache,
-                                                                                    case.v_cache)
-                reason = check_output(spec, out, case)["reason"]
+                reason = check_output(spec, cases.run_case(backend, spec, case), case)["reason"]
             except Exception as exc:
                 log.exception("%s %s failed its check", name, phase)
                 reason = f"raised {type(exc).__name__}: {exc}"

@@ -122,14 +122,22 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     """
     _check_choice("policy", policy, POLICIES)
     _check_choice("mode", mode, MODES)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    device = device or default_device()
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r} is not a torch device ({exc})") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was requested but no CUDA device is available")
     choices = {"prefill": prefill, "decode": decode}
     for phase, choice in choices.items():
         if choice != AUTO:
             backends.get(choice)
     orders = {"prefill": priority_list("prefill", prefill_priority),
               "decode": priority_list("decode", decode_priority)}
-    return agree(lambda: _select(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache,
-                                 device or default_device()))
+    return agree(lambda: _select(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device))
 
 
 def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode: str, timeout: float | None,

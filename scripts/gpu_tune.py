@@ -36,7 +36,7 @@ del x, y
 
 names = ["torch", "triton", "fa3", "flashinfer", "flashinfer_cuda_cores"]
 for phase in ("prefill", "decode"):
-    case = (cases.prefill_case if phase == "prefill" else cases.decode_case)(spec, dev)
+    case = cases.make_case(spec, phase, dev)
     for name in names:
         b = get(name)
         why = b.unsupported(spec, phase)
@@ -45,10 +45,7 @@ for phase in ("prefill", "decode"):
             continue
         t0 = time.perf_counter()
         try:
-            if phase == "prefill":
-                o = b.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)(case.q, case.k, case.v)
-            else:
-                o = b.plan_decode(spec, case.page_table, case.seq_lens)(case.q, case.k_cache, case.v_cache)
+            o = cases.run_case(b, spec, case)
             torch.cuda.synchronize()
             r = check_output(spec, o, case)
         except Exception as exc:

@@ -64,6 +64,9 @@ def test_report_table_ends_with_the_two_choices(capsys):
      "--llm_prefill_att_backend: unknown backend 'fast'; valid: auto, fa3, flashinfer, flashinfer_cuda_cores, "
      "triton, torch"),
     (["--num-heads", "8", "--head-dim", "64", "--decode-priority", "torch,nope"], "unknown backend 'nope'"),
+    (["--num-heads", "8", "--head-dim", "64", "--timeout", "0"], "timeout must be a positive number of seconds"),
+    (["--num-heads", "8", "--head-dim", "64", "--policy", "priority", "--mode", "graph", "--device", "cpu"],
+     "mode 'graph' needs a CUDA device"),
 ])
 def test_bad_input_exits_2_naming_the_field(capsys, argv, message):
     code, out, err = run(capsys, "report", *argv)

@@ -45,8 +45,7 @@ def built_cases():
 
     def get_case(key, phase):
         if (key, phase) not in store:
-            make = cases.prefill_case if phase == "prefill" else cases.decode_case
-            store[(key, phase)] = make(SPECS[key], torch.device("cuda"))
+            store[(key, phase)] = cases.make_case(SPECS[key], phase, torch.device("cuda"))
         return store[(key, phase)]
 
     return get_case
@@ -68,10 +67,7 @@ def test_backend_against_reference(key, name, phase, built_cases):
             and key not in MAIN_FAMILY:
         pytest.skip("FlashInfer JIT for this dtype/head_dim is left to `scripts/gpu-check jit`")
     case = built_cases(key, phase)
-    if phase == "prefill":
-        out = backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)(case.q, case.k, case.v)
-    else:
-        out = backend.plan_decode(spec, case.page_table, case.seq_lens)(case.q, case.k_cache, case.v_cache)
+    out = cases.run_case(backend, spec, case)
     torch.cuda.synchronize()
     result = check_output(spec, out, case)
     _record(spec=key, backend=name, phase=phase, **result)

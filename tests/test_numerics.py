@@ -15,12 +15,8 @@ SHAPES = [(4, 4, 64), (8, 2, 128), (7, 1, 64), (14, 2, 128), (4, 1, 64), (4, 2, 
 def _check(name: str, spec: AttentionSpec, phase: str):
     backend = get(name)
     assert backend.unsupported(spec, phase) is None
-    if phase == "prefill":
-        case = cases.prefill_case(spec, CPU)
-        out = backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)(case.q, case.k, case.v)
-    else:
-        case = cases.decode_case(spec, CPU)
-        out = backend.plan_decode(spec, case.page_table, case.seq_lens)(case.q, case.k_cache, case.v_cache)
+    case = cases.make_case(spec, phase, CPU)
+    out = cases.run_case(backend, spec, case)
     result = check_output(spec, out, case)
     assert result["status"] == "valid", result["reason"]
     assert out.dtype == spec.torch_dtype and out.shape == case.ref.shape

@@ -145,6 +145,17 @@ def decode_case(spec: AttentionSpec, device: torch.device, seed: int = 1) -> Dec
     return case
 
 
+def make_case(spec: AttentionSpec, phase: str, device: torch.device) -> PrefillCase | DecodeCase:
+    return prefill_case(spec, device) if phase == "prefill" else decode_case(spec, device)
+
+
+def run_case(backend, spec: AttentionSpec, case: PrefillCase | DecodeCase) -> torch.Tensor:
+    """Plan and run one backend on a validation case."""
+    if isinstance(case, PrefillCase):
+        return backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)(case.q, case.k, case.v)
+    return backend.plan_decode(spec, case.page_table, case.seq_lens)(case.q, case.k_cache, case.v_cache)
+
+
 # --- timing workloads (policy "measure") ---------------------------------------------------------------------------
 
 @dataclasses.dataclass

@@ -122,12 +122,7 @@ def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.devic
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     try:
-        if phase == "prefill":
-            run = backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)
-            out = run(case.q, case.k, case.v)
-        else:
-            run = backend.plan_decode(spec, case.page_table, case.seq_lens)
-            out = run(case.q, case.k_cache, case.v_cache)
+        out = cases.run_case(backend, spec, case)
         _sync(device)
         result = check_output(spec, out, case)
     except Exception as exc:
@@ -167,7 +162,7 @@ def main() -> None:
         name, phase = task["backend"], task["phase"]
         emit(event="start", backend=name, phase=phase)
         if phase not in built:
-            built[phase] = (cases.prefill_case if phase == "prefill" else cases.decode_case)(spec, device)
+            built[phase] = cases.make_case(spec, phase, device)
         result = validate_one(name, phase, spec, device, built[phase], job.get("measure", False),
                               job.get("mode", "eager"))
         emit(event="result", backend=name, phase=phase, **result)
