@@ -156,7 +156,7 @@ def cmd_report(args: argparse.Namespace, out: Console) -> int:
     rss = f", peak RSS {stats['worker_peak_rss_mb']:.0f} MiB" if stats["worker_peak_rss_mb"] else ""
     out.print(f"validation worker: {stats['spawns']} spawn(s), {stats['deaths']} death(s), "
               f"{stats['worker_wall_s']:.1f} s{rss}{mem}")
-    out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir()}")
+    out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}")
     out.print(f"prefill: {sel.prefill} ({sel.prefill_source})")
     out.print(f"decode: {sel.decode} ({sel.decode_source})")
     return 0

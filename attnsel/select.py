@@ -132,7 +132,7 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was requested but no CUDA device is available")
     choices = {"prefill": prefill, "decode": decode}
-    for phase, choice in choices.items():
+    for choice in choices.values():
         if choice != AUTO:
             backends.get(choice)
     orders = {"prefill": priority_list("prefill", prefill_priority),

@@ -24,7 +24,8 @@ if cuda:
     torch.cuda.set_device(local_rank)
 dist.init_process_group("nccl" if cuda else "gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-spec = AttentionSpec.from_hf_config(os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "llama-3-8b.json"))
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = AttentionSpec.from_hf_config(os.path.join(root, "examples", "configs", "llama-3-8b.json"))
 views = []
 for attempt in ("cold", "warm"):
     sel = select(spec)

@@ -28,11 +28,9 @@ def emit(**row):
 # Bandwidth probes.
 x = torch.randn(1 << 30, dtype=torch.bfloat16, device=dev)
 y = torch.empty_like(x)
-t = bench(lambda: y.copy_(x), dev)
-emit(what="copy", tbps=2 * 2 * x.numel() / t / 1e12)
-t = bench(lambda: x.sum(dtype=torch.float32), dev)
-emit(what="read(sum)", tbps=2 * x.numel() / t / 1e12)
-del x, y
+emit(what="copy", tbps=2 * 2 * x.numel() / bench(lambda: y.copy_(x), dev) / 1e12)
+emit(what="read(sum)", tbps=2 * x.numel() / bench(lambda: x.sum(dtype=torch.float32), dev) / 1e12)
+x = y = None
 
 names = ["torch", "triton", "fa3", "flashinfer", "flashinfer_cuda_cores"]
 for phase in ("prefill", "decode"):

@@ -1,5 +1,4 @@
 """Diagnose paged|attnsel vs paged|sdpa token differences (device run): NaN counts, zero tokens, plan cache off."""
-import sys
 import torch
 from transformers import AttentionInterface, GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig

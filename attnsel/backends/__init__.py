@@ -116,7 +116,7 @@ _cache: dict[str, dict] = {}
 
 
 def registry() -> dict[str, Backend]:
-    """All backends by name: built-ins first (in BUILTINS order), then plugins. Re-read when ATTNSEL_BACKENDS changes."""
+    """All backends by name: built-ins first (BUILTINS order), then plugins; re-read when ATTNSEL_BACKENDS changes."""
     key = os.environ.get(ENV_PLUGINS, "")
     if key in _cache:
         return _cache[key]

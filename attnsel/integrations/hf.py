@@ -191,7 +191,8 @@ def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: in
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query ``[B, H, Sq, D]``, key/value ``[B, KVH, Skv, D]``; out ``[B, Sq, H, D]``."""
+    """transformers attention function: query ``[B, H, Sq, D]``, key/value ``[B, KVH, Skv, D]``; out ``[B, Sq, H, D]``.
+    """
     batch, _, len_q, _ = query.shape
     len_kv = key.shape[2]
     why = _cannot_serve(module, dropout, kwargs)

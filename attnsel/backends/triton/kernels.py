@@ -160,7 +160,8 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, qk_scale, num_splits, 
 
 
 @triton.jit
-def decode_reduce_kernel(O, O_part, LSE_part, num_splits, num_heads, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+def decode_reduce_kernel(O, O_part, LSE_part, num_splits, num_heads, stride_ob, stride_oh, stride_pb, stride_ph,
+                         stride_ps,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (batch, num_q_heads): merge the splits' partial outputs weighted by their sum-exp."""
     b = tl.program_id(0)
