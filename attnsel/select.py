@@ -189,8 +189,8 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
             elif "timing_error" in result:
                 entry["timings"] = {mode: {"error": result["timing_error"]}}
             fresh[keys[task]] = entry
-        if cache:
-            cache.put_many(fresh)
+        if cache:  # transient rejections (timeouts) are reported, not remembered
+            cache.put_many({k: e for k, e in fresh.items() if not e.get("transient")})
     for task, key in keys.items():
         entry = fresh.get(key) or cached[key]
         timing = entry.get("timings", {}).get(mode, {})

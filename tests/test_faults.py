@@ -77,6 +77,22 @@ def test_total_time_bounded_by_timeouts(faulty):
     assert elapsed < 2 * TIMEOUT + spawns * 15
 
 
+def test_timeouts_are_not_cached_but_crashes_are(monkeypatch):
+    from attnsel.cache import ResultCache
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    kw = dict(policy="priority", prefill_priority=["segfault_prefill", "hang_prefill", "torch"],
+              decode_priority=["torch"], timeout=3.0)
+    first = select(SPEC, **kw)
+    assert first.stats["deaths"] == 2
+    cached = {(e["backend"], e["phase"]) for e in ResultCache().entries().values()}
+    assert ("segfault_prefill", "prefill") in cached
+    assert ("hang_prefill", "prefill") not in cached  # a timeout may be a slow first JIT build
+    second = select(SPEC, **kw)
+    assert second.stats["spawns"] == 1 and second.stats["deaths"] == 1  # only the hang is tried again
+    assert second.prefill == "torch"
+
+
 def test_rejections_are_logged(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
     with caplog.at_level(logging.WARNING):

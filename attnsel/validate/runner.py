@@ -194,7 +194,9 @@ def run_tasks(spec: AttentionSpec, tasks: list[tuple[str, str]], *, device: str,
                 results[key] = {"status": "rejected", "reason": reason, "time_s": 0.0}
             break
         reason = f"{cause} while running {in_flight[0]} {in_flight[1]}; stderr tail:\n{tail}"
-        results[in_flight] = {"status": "rejected", "reason": reason, "time_s": None}
+        # A timeout may be a slow first JIT build that the next start finds done: not worth remembering.
+        results[in_flight] = {"status": "rejected", "reason": reason, "time_s": None,
+                              "transient": timed_out is not None}
         remaining.remove(in_flight)
         _log_result(in_flight, results[in_flight])
     for r in results.values():
