@@ -34,3 +34,21 @@ def test_broken_plugin_is_reported_not_hidden(monkeypatch, caplog):
     # an object that is not a backend (a dict) is refused with the missing methods named
     assert "backend protocol" in backends.get("tests.fault_backends:PREFILL").unsupported(AttentionSpec(4, 2, 64),
                                                                                         "prefill")
+
+
+def test_entry_point_plugin(tmp_path, monkeypatch):
+    """A plugin installed as a distribution with an `attnsel.backends` entry point is found and validated."""
+    dist = tmp_path / "attnsel_test_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: attnsel-test-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[attnsel.backends]\nwrong = tests.fault_backends:WRONG_PREFILL\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ['PYTHONPATH']}")
+    backends._cache.clear()
+    try:
+        assert "wrong_prefill" in backends.names()
+        sel = select(AttentionSpec(4, 2, 64, "fp16"), policy="priority")
+        cand = {c.name: c for c in sel.candidates["prefill"]}["wrong_prefill"]
+        assert cand.status == "rejected" and "exceeds tolerance" in cand.reason
+    finally:
+        backends._cache.clear()
