@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 
 from rich.console import Console
@@ -85,9 +86,8 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
         return AttentionSpec(**fields)
     except SpecError as exc:
         msg = str(exc)
-        field = msg.split(" ", 1)[0]
-        if field in FIELD_FLAGS:
-            msg = f"{field} ({FIELD_FLAGS[field]}){msg[len(field):]}"
+        for field, flag in FIELD_FLAGS.items():  # name what the user typed (or what --config supplied)
+            msg = re.sub(rf"\b{field}\b", f"{flag}", msg)
         raise SpecError(msg) from None
 
 
@@ -231,10 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, Console(width=max(160, Console().width)))
     except (SpecError, UsageError, UnknownBackendError, ValueError) as exc:
-        err.print(f"attnsel: error: {exc}", markup=False, highlight=False)
+        err.print(f"attnsel: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
     except SelectionError as exc:
-        err.print(f"attnsel: cannot serve: {exc}", markup=False, highlight=False)
+        err.print(f"attnsel: cannot serve: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_UNSERVED
 
 
