@@ -112,6 +112,17 @@ def test_sliding_window_falls_back_to_torch_and_says_so_once(saved, caplog):
     assert caplog.text.count("falling back to the torch backend: sliding-window attention (window 6)") == 1
 
 
+def test_a_window_longer_than_the_sequences_is_served(saved, caplog):
+    cls, path = saved("mistral", sliding_window=4096)  # Mistral's default window; prompts are far shorter
+    ref, ours = dense_pair(cls, path)
+    ids, mask = padded_batch()
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with caplog.at_level(logging.WARNING, logger="attnsel"):
+        got = ours.generate(input_ids=ids, attention_mask=mask, **gen)
+    assert torch.equal(ref.generate(input_ids=ids, attention_mask=mask, **gen), got)
+    assert "falling back" not in caplog.text
+
+
 @pytest.mark.skipif(hf.paged_unsupported() is not None, reason="paged path needs transformers 5.17")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_continuous_batching_matches_paged_sdpa(saved, kind, monkeypatch):

@@ -116,11 +116,12 @@ def _log_once(reason: str) -> None:
         log.warning("attnsel: falling back to the torch backend: %s", reason)
 
 
-def _cannot_serve(module, dropout: float, kwargs: dict) -> str | None:
+def _cannot_serve(module, dropout: float, kwargs: dict, longest_kv: int) -> str | None:
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
         return "non-causal attention"
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
-        return f"sliding-window attention (window {kwargs.get('sliding_window') or module.sliding_window})"
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if window and longest_kv > window:  # a window longer than every sequence is plain causal attention
+        return f"sliding-window attention (window {window})"
     if dropout and module.training:
         return "attention dropout in training"
     if kwargs.get("softcap"):
@@ -195,7 +196,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     """
     batch, _, len_q, _ = query.shape
     len_kv = key.shape[2]
-    why = _cannot_serve(module, dropout, kwargs)
+    why = _cannot_serve(module, dropout, kwargs, len_kv)
     if why is None and attention_mask is not None and attention_mask.dim() != 2:
         why = f"a {attention_mask.dim()}D attention mask (attnsel registers a 2D padding mask)"
     if why is not None:
@@ -261,7 +262,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                          f"attn_implementation='{NAME}' for plain forward/generate calls")
     if isinstance(cu_seq_lens_k, dict):
         cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k["full_attention"], max_seqlen_k["full_attention"]
-    why = _cannot_serve(module, dropout, kwargs)
+    # Sliding layers keep their own cache group and lengths: always transformers' paged sdpa for them.
+    why = _cannot_serve(module, dropout, kwargs, longest_kv=1 << 62)
     if why is not None:
         from transformers.integrations.sdpa_paged import sdpa_attention_paged_forward
 
