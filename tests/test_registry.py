@@ -52,3 +52,19 @@ def test_entry_point_plugin(tmp_path, monkeypatch):
         assert cand.status == "rejected" and "exceeds tolerance" in cand.reason
     finally:
         backends._cache.clear()
+
+
+def test_flashinfer_stale_run_function_raises():
+    """FlashInfer keeps one plan per wrapper: a run function of a replaced plan must fail loudly, not run another
+    batch's plan (the check is plain Python, so it is tested here with a stand-in wrapper)."""
+    import types
+
+    from attnsel.backends.flashinfer import BACKEND
+
+    wrapper = types.SimpleNamespace()
+    first = BACKEND._checked(wrapper, lambda x: x + 1)
+    assert first(1) == 2
+    second = BACKEND._checked(wrapper, lambda x: x + 2)
+    assert second(1) == 3
+    with pytest.raises(RuntimeError, match="belongs to an earlier plan"):
+        first(1)

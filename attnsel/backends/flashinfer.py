@@ -60,20 +60,6 @@ def _wrapper(device: torch.device, kind: str, nbytes: int):
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"))
 
 
-class _Generation:
-    """Counts plans per wrapper so that a stale run function fails loudly instead of using another batch's plan."""
-
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-
-    def bump(self, wrapper) -> int:
-        self.counts[id(wrapper)] = self.counts.get(id(wrapper), 0) + 1
-        return self.counts[id(wrapper)]
-
-
-_generations = _Generation()
-
-
 def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
     """(indptr, indices, last_page_len) in FlashInfer's CSR form from a page table and sequence lengths."""
     lens = seq_lens.to(torch.int32)
@@ -127,11 +113,12 @@ class FlashInferBackend:
         return self._checked(wrapper, lambda q, k_cache, v_cache: wrapper.run(q, (k_cache, v_cache)))
 
     def _checked(self, wrapper, call) -> RunFn:
-        generation = _generations.bump(wrapper)
-        counts, key, name = _generations.counts, id(wrapper), self.name
+        """The run function of the wrapper's current plan; it raises once a later plan replaced that one."""
+        generation = wrapper.attnsel_plans = getattr(wrapper, "attnsel_plans", 0) + 1
+        name = self.name
 
         def run(*tensors: torch.Tensor) -> torch.Tensor:
-            if counts[key] != generation:
+            if wrapper.attnsel_plans != generation:
                 raise RuntimeError(f"{name}: this run function belongs to an earlier plan; FlashInfer keeps one "
                                    "plan per device and phase, so plan again for this batch")
             return call(*tensors)

@@ -36,6 +36,7 @@ ENV_PREFILL, ENV_DECODE = "ATTNSEL_PREFILL_BACKEND", "ATTNSEL_DECODE_BACKEND"
 _options: dict = {}
 _selections: dict = {}
 _logged: set = set()
+_registrations = [0]
 
 
 def _transformers_version() -> str:
@@ -66,9 +67,11 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
         raise RuntimeError("attnsel.integrations.hf needs transformers >= 5.0 with AttentionInterface and "
                            f"AttentionMaskInterface ({exc})") from exc
     _options.clear()
-    _options.update(select_options, prefill=prefill or os.environ.get(ENV_PREFILL, "auto"),
-                    decode=decode or os.environ.get(ENV_DECODE, "auto"))
+    _options.update(select_options)
+    _options.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None})
     _selections.clear()
+    _logged.clear()
+    _registrations[0] += 1
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)  # 2D padding mask (or None), unpadded here
     names = [NAME]
@@ -95,13 +98,24 @@ def selection_for(spec: AttentionSpec, device: torch.device) -> Selection:
     """The Selection for a spec on a device, made once per process (the persistent cache makes later starts fast)."""
     key = (spec, str(device))
     if key not in _selections:
-        opts = dict(_options) or {"prefill": os.environ.get(ENV_PREFILL, "auto"),
-                                  "decode": os.environ.get(ENV_DECODE, "auto")}
+        opts = {"prefill": os.environ.get(ENV_PREFILL, "auto"), "decode": os.environ.get(ENV_DECODE, "auto"),
+                **_options}
         sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
         log.info("attnsel for %d/%d heads, head_dim %d, %s on %s: prefill: %s, decode: %s", spec.num_q_heads,
                  spec.num_kv_heads, spec.head_dim, spec.dtype, device, sel.prefill, sel.decode)
         _selections[key] = sel
     return _selections[key]
+
+
+def _module_selection(module, query: torch.Tensor, scaling: float | None, page_size: int) -> Selection:
+    """selection_for this attention module's spec, remembered on the module: building the spec from the config on
+    every layer call would put a config.to_dict() on the hot path."""
+    key = (query.dtype, query.device, page_size, scaling, _registrations[0])  # a new register() forgets the memo
+    memo = module.__dict__.get("_attnsel_selection")
+    if memo is None or memo[0] != key:
+        sel = selection_for(model_spec(module.config, query.dtype, page_size, scaling), query.device)
+        module.__dict__["_attnsel_selection"] = memo = (key, sel)
+    return memo[1]
 
 
 def select_for_model(model, page_size: int = DENSE_PAGE_SIZE) -> Selection:
@@ -202,7 +216,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if why is not None:
         _log_once(why)
         return _torch_dense(query, key, value, attention_mask, scaling, kwargs.get("sliding_window")), None
-    sel = selection_for(model_spec(module.config, query.dtype, DENSE_PAGE_SIZE, scaling), query.device)
+    sel = _module_selection(module, query, scaling, DENSE_PAGE_SIZE)
     plan = _dense_steps.get(getattr(module, "layer_idx", None), (batch, len_q, len_kv, sel.prefill, sel.decode),
                             lambda: _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device),
                             query.device)
@@ -273,7 +287,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                                             write_index=write_index, **kwargs)
     group, layer_in_group = cache.layer_index_to_group_indices[module.layer_idx]
     block = cache.block_size
-    sel = selection_for(model_spec(module.config, query.dtype, block, scaling), query.device)
+    sel = _module_selection(module, query, scaling, block)
     tokens = query.shape[2]
     batch = cu_seq_lens_q.numel() - 1
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
