@@ -1,11 +1,14 @@
 """attnsel: one attention API over several kernel libraries, with validated automatic backend selection.
 
-Public surface: ``AttentionSpec``, ``select`` (returns a ``Selection`` whose ``plan_prefill``/``plan_decode``
-give the per-layer run functions), and ``SelectionError``.
+Public surface: ``AttentionSpec``, ``select`` (returns a ``Selection`` whose ``plan_prefill``/``plan_decode`` give
+the per-layer run functions), and the errors a user can see: ``SpecError`` (a bad spec field or config),
+``UnknownBackendError`` (a backend name that is not registered) and ``SelectionError`` (a phase cannot be served).
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-from .select import Selection, SelectionError, select  # noqa: E402
-from .spec import AttentionSpec  # noqa: E402
+from .backends import UnknownBackendError  # noqa: E402
+from .selection import Selection, SelectionError, select  # noqa: E402
+from .spec import AttentionSpec, SpecError  # noqa: E402
 
-__all__ = ["AttentionSpec", "Selection", "SelectionError", "select", "__version__"]
+__all__ = ["AttentionSpec", "Selection", "SelectionError", "SpecError", "UnknownBackendError", "select",
+           "__version__"]

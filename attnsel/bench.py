@@ -18,10 +18,11 @@ from rich.console import Console
 from rich.table import Table
 
 from . import backends
-from .select import select
+from .selection import select
 from .spec import AttentionSpec
-from .validate import cases
-from .validate.worker import as_graph, bench, check_output
+from .validate import cases, timing
+from .validate.cases import check_output
+from .validate.timing import as_graph, bench, probes
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,6 @@ class Cell:
     vs_read: float | None = None  # decode: achieved bandwidth / read-only probe
 
 
-def probes(device: torch.device) -> dict:
-    """Copy (bytes read + written) and read-only bandwidth in TB/s on 2 GiB."""
-    x = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
-    y = torch.empty_like(x)
-    copy = 2 * x.nbytes / bench(lambda: y.copy_(x), device) / 1e12
-    read = x.nbytes / bench(lambda: x.sum(dtype=torch.float32), device) / 1e12
-    return {"copy_tbps": copy, "read_tbps": read}  # x and y are freed on return
 
 
 def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: torch.device) -> dict[str, str]:
@@ -78,7 +72,7 @@ def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: to
     return status
 
 
-def time_cell(backend, spec: AttentionSpec, phase: str, load: cases.Workload, mode: str,
+def time_cell(backend, spec: AttentionSpec, phase: str, load: timing.Workload, mode: str,
               device: torch.device) -> float:
     plan = backend.plan_prefill if phase == "prefill" else backend.plan_decode
     run = plan(spec, *load.plan_args)
@@ -115,13 +109,13 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
         for label, arg in shapes:
             if phase == "decode":
                 batch, ctx = arg
-                if cases.decode_bytes(spec, batch, ctx) > MAX_KV_BYTES:
+                if timing.decode_bytes(spec, batch, ctx) > MAX_KV_BYTES:
                     continue
-                load = cases.make_decode_workload(spec, device, label, batch, ctx)
-                work = cases.decode_bytes(spec, batch, ctx)
+                load = timing.make_decode_workload(spec, device, label, batch, ctx)
+                work = timing.decode_bytes(spec, batch, ctx)
             else:
-                load = cases.make_prefill_workload(spec, device, label, arg)
-                work = cases.prefill_flops(spec, arg)
+                load = timing.make_prefill_workload(spec, device, label, arg)
+                work = timing.prefill_flops(spec, arg)
             for mode in modes:
                 row = []
                 for name in runnable:

@@ -16,7 +16,7 @@ from rich.table import Table
 from . import backends
 from .backends import UnknownBackendError
 from .cache import ResultCache
-from .select import AUTO, MODES, POLICIES, Selection, SelectionError, select
+from .selection import AUTO, MODES, POLICIES, Selection, SelectionError, select
 from .spec import DTYPES, AttentionSpec, SpecError, hf_fields, load_config_file
 
 log = logging.getLogger("attnsel")
@@ -110,8 +110,7 @@ def _fmt(value, spec: str) -> str:
 
 
 def report_table(sel: Selection) -> Table:
-    table = Table(title=f"attnsel on {sel.device.get('gpu') or 'CPU'}: {sel.spec.num_q_heads}/{sel.spec.num_kv_heads}"
-                        f" heads, head_dim {sel.spec.head_dim}, {sel.spec.dtype}, page {sel.spec.page_size}")
+    table = Table(title=f"attnsel on {sel.device.get('gpu') or 'CPU'}: {sel.spec.describe()}")
     for col in ("phase", "backend", "status", "max err", "tolerance", "valid. s", f"{sel.mode} score us",
                 "vs best", "reason"):
         table.add_column(col, overflow="fold")

@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Dtypes of a paged KV cache besides the activation dtype: fp8 e4m3 with per-tensor float32 k/v scales
+# (stored value = real value / scale), as vLLM and SGLang store it.
+KV_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
 # Spellings found in Hugging Face configs (`torch_dtype` / `dtype`).
 _HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
               "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
@@ -20,9 +23,19 @@ class SpecError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """Attention shape of a model: what every backend is checked and validated against.
+    """Attention of one kind of model layer: what every backend is checked and validated against.
 
-    dtype is one of "bf16", "fp16", "fp32". softmax_scale None means 1/sqrt(head_dim).
+    - dtype: activations (q, k, v, out): "bf16", "fp16" or "fp32".
+    - softmax_scale: None means 1/sqrt(head_dim).
+    - sliding_window: None, or w > 0 tokens: query at absolute position i attends to keys j with i - w < j <= i
+      (w keys, itself included; FlashAttention's ``window_size=(w - 1, 0)``, FlashInfer's ``window_left=w - 1``,
+      transformers' ``sliding_window=w``).
+    - softcap: None, or c > 0: scores become ``c * tanh(scores / c)`` (after the softmax scale; Gemma 2).
+    - sinks: the layer has learned per-head sink logits (gpt-oss); they are passed to ``run`` as ``sinks``, a float32
+      ``[num_q_heads]`` tensor, and join the softmax denominator only (a sink has no value).
+    - kv_dtype: None (the paged cache holds ``dtype``) or "fp8_e4m3": the decode cache is fp8 and ``run`` receives
+      ``k_scale``/``v_scale`` (float32 tensors of one element; real value = stored value * scale). Prefill takes
+      its k/v in ``dtype`` either way.
     """
 
     num_q_heads: int
@@ -32,6 +45,10 @@ class AttentionSpec:
     page_size: int = 16
     causal: bool = True
     softmax_scale: float | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_q_heads", "num_kv_heads", "head_dim", "page_size"):
@@ -45,6 +62,17 @@ class AttentionSpec:
             raise SpecError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.softmax_scale is not None and not (self.softmax_scale > 0 and math.isfinite(self.softmax_scale)):
             raise SpecError(f"softmax_scale must be a positive finite number or None, got {self.softmax_scale!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise SpecError(f"sliding_window must be None or a positive integer (tokens), got {window!r}")
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                                         or not (self.softcap > 0 and math.isfinite(self.softcap))):
+            raise SpecError(f"softcap must be None or a positive finite number, got {self.softcap!r}")
+        if not isinstance(self.sinks, bool):
+            raise SpecError(f"sinks must be True or False, got {self.sinks!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise SpecError(f"kv_dtype must be None (same as dtype) or one of {', '.join(KV_DTYPES)}, "
+                            f"got {self.kv_dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -58,6 +86,34 @@ class AttentionSpec:
     @property
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The paged cache's dtype (decode)."""
+        return KV_DTYPES[self.kv_dtype] if self.kv_dtype else self.torch_dtype
+
+    def features(self) -> list[str]:
+        """The optional attention features this spec uses, in words (for reasons and reports)."""
+        out = []
+        if self.sliding_window is not None:
+            out.append(f"sliding window {self.sliding_window}")
+        if self.softcap is not None:
+            out.append(f"softcap {self.softcap:g}")
+        if self.sinks:
+            out.append("attention sinks")
+        if self.kv_dtype:
+            out.append(f"{self.kv_dtype} KV cache")
+        if not self.causal:
+            out.append("non-causal")
+        return out
+
+    def describe(self) -> str:
+        """One line for logs, reports and errors: '32/8 heads, head_dim 128, bf16, page 16[, features]'."""
+        text = (f"{self.num_q_heads}/{self.num_kv_heads} heads, head_dim {self.head_dim}, {self.dtype}, "
+                f"page {self.page_size}")
+        if self.softmax_scale is not None:
+            text += f", scale {self.softmax_scale:.4g}"
+        return ", ".join([text, *self.features()])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

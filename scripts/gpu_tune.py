@@ -11,8 +11,9 @@ import torch
 import attnsel.backends.triton as tb
 from attnsel.backends import get
 from attnsel.spec import AttentionSpec
-from attnsel.validate import cases
-from attnsel.validate.worker import bench, check_output
+from attnsel.validate import cases, timing
+from attnsel.validate.cases import check_output
+from attnsel.validate.timing import bench
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
 dev = torch.device("cuda")
@@ -53,11 +54,11 @@ for phase in ("prefill", "decode"):
 
 def time_prefill(run, w, lens):
     t = bench(lambda: run(*w.inputs), dev)
-    return t * 1e6, cases.prefill_flops(spec, lens) / t / 1e12
+    return t * 1e6, timing.prefill_flops(spec, lens) / t / 1e12
 
 
 for label, lens in [("1x8192", [8192]), ("4x2048", [2048] * 4), ("32x256", [256] * 32)]:
-    w = cases.make_prefill_workload(spec, dev, label, lens)
+    w = timing.make_prefill_workload(spec, dev, label, lens)
     for name in ["torch", "fa3", "flashinfer"]:
         run = get(name).plan_prefill(spec, *w.plan_args)
         us, tf = time_prefill(run, w, lens)
@@ -76,8 +77,8 @@ for label, lens in [("1x8192", [8192]), ("4x2048", [2048] * 4), ("32x256", [256]
 
 orig_splits = tb.num_splits
 for label, batch, ctx in [("64x4096", 64, 4096), ("1x4096", 1, 4096), ("16x2048", 16, 2048)]:
-    w = cases.make_decode_workload(spec, dev, label, batch, ctx)
-    nbytes = cases.decode_bytes(spec, batch, ctx)
+    w = timing.make_decode_workload(spec, dev, label, batch, ctx)
+    nbytes = timing.decode_bytes(spec, batch, ctx)
     for name in ["torch", "fa3", "flashinfer", "flashinfer_cuda_cores"]:
         run = get(name).plan_decode(spec, *w.plan_args)
         t = bench(lambda: run(*w.inputs), dev)

@@ -5,9 +5,7 @@ import multiprocessing as mp
 
 import pytest
 
-import importlib
-
-select_mod = importlib.import_module("attnsel.select")  # the package exports the function under the same name
+import attnsel.selection as select_mod
 from attnsel import select
 from attnsel.cache import SCHEMA, ResultCache
 from attnsel.spec import AttentionSpec

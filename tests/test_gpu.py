@@ -14,7 +14,7 @@ import torch
 from attnsel.backends import BUILTINS, get
 from attnsel.spec import AttentionSpec
 from attnsel.validate import cases
-from attnsel.validate.worker import check_output
+from attnsel.validate.cases import check_output
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -7,7 +7,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
-from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler  # noqa: E402
+from transformers.generation.continuous_batching.cache import (
+    PagedAttentionMemoryHandler,  # noqa: E402
+)
 
 from attnsel.integrations import hf  # noqa: E402
 

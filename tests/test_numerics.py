@@ -5,7 +5,7 @@ import torch
 from attnsel.backends import get
 from attnsel.spec import AttentionSpec
 from attnsel.validate import cases
-from attnsel.validate.worker import check_output
+from attnsel.validate.cases import check_output
 
 CPU = torch.device("cpu")
 # (q heads, kv heads, head_dim): MHA, GQA 4:1, GQA 7:1, MQA, head_dim 64 and 128 (and 96: padded tiles)

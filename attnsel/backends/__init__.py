@@ -37,18 +37,28 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 @runtime_checkable
 class Backend(Protocol):
-    """What a backend (built-in or plugin) implements.
+    """What a backend (built-in or plugin) implements (docs/ARCHITECTURE.md, "Backend protocol").
 
     - ``unsupported(spec, phase)``: cheap check in the parent process; every reason it cannot serve, joined by "; ",
-      or None.
-    - ``plan_prefill(spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` -> ``run(q, k, v) -> out``:
-      ragged causal prefill; q ``[total_q, num_q_heads, head_dim]``, k/v ``[total_k, num_kv_heads, head_dim]``,
-      cu_seqlens int32 ``[batch + 1]`` on the device; out like q. Sequences with fewer query than key tokens are
-      aligned bottom-right (the queries are the last tokens).
-    - ``plan_decode(spec, page_table, seq_lens)`` -> ``run(q, k_cache, v_cache) -> out``: one query token per sequence;
-      q ``[batch, num_q_heads, head_dim]``, caches ``[num_pages, page_size, num_kv_heads, head_dim]``, page_table int32
+      or None. It must look at every spec field it does not implement (sliding_window, softcap, sinks, kv_dtype,
+      causal) and name it: a backend never ignores a feature.
+    - ``plan_prefill(spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` -> ``run(q, k, v, *,
+      sinks=None) -> out``: ragged prefill; q ``[total_q, num_q_heads, head_dim]``, k/v ``[total_k, num_kv_heads,
+      head_dim]`` in ``spec.dtype``, cu_seqlens int32 ``[batch + 1]`` on the device; out like q. Sequences with
+      fewer query than key tokens are aligned bottom-right (the queries are the last tokens).
+    - ``plan_decode(spec, page_table, seq_lens)`` -> ``run(q, k_cache, v_cache, *, sinks=None, k_scale=None,
+      v_scale=None) -> out``: one query token per sequence; q ``[batch, num_q_heads, head_dim]``, caches
+      ``[num_pages, page_size, num_kv_heads, head_dim]`` in ``spec.kv_torch_dtype``, page_table int32
       ``[batch, max_pages]``, seq_lens int32 ``[batch]`` (tokens in the cache, the new one included).
-    Plan runs once per batch (host work allowed); run is what every layer calls: no host sync.
+      Only the first ``ceil(seq_lens[b] / page_size)`` entries of row b of page_table are meaningful: later entries
+      may hold anything (engines pad with -1 or num_pages), and cache slots past a sequence's length may hold
+      anything (NaN, inf: caches are allocated with torch.empty). A row with ``seq_lens[b] == 0`` (CUDA-graph
+      padding) has output zeros.
+    - Run-time feature inputs: ``sinks`` float32 ``[num_q_heads]`` when ``spec.sinks``; ``k_scale``/``v_scale``
+      float32 one-element tensors when ``spec.kv_dtype`` is set (real value = stored value * scale).
+    Plan runs once per batch (host work allowed); run is what every layer calls: no host sync, inputs unchanged.
+    Optional attributes: ``version`` (str or callable; part of the cache key), ``first_use_note`` (str shown while a
+    slow first use runs, e.g. a JIT build), ``report_extras()`` (dict of facts for reports, e.g. a JIT cache path).
     """
 
     name: str

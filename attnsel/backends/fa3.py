@@ -19,7 +19,9 @@ _HDIM_BINS = (64, 96, 128, 192, 256)
 
 
 def _build_flags() -> dict:
-    from flash_attn_config import CONFIG  # a plain dict written at build time; imports no CUDA code
+    from flash_attn_config import (
+        CONFIG,  # a plain dict written at build time; imports no CUDA code
+    )
 
     return CONFIG["build_flags"]
 

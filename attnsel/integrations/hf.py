@@ -22,7 +22,7 @@ import os
 import torch
 
 from ..backends.torch_sdpa import sdpa
-from ..select import Selection, select
+from ..selection import Selection, select
 from ..spec import AttentionSpec, dtype_name, hf_fields
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,10 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     """
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import (
+            AttentionMaskInterface,
+            flash_attention_mask,
+        )
     except ImportError as exc:
         raise RuntimeError("attnsel.integrations.hf needs transformers >= 5.0 with AttentionInterface and "
                            f"AttentionMaskInterface ({exc})") from exc
@@ -101,8 +104,7 @@ def selection_for(spec: AttentionSpec, device: torch.device) -> Selection:
         opts = {"prefill": os.environ.get(ENV_PREFILL, "auto"), "decode": os.environ.get(ENV_DECODE, "auto"),
                 **_options}
         sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
-        log.info("attnsel for %d/%d heads, head_dim %d, %s on %s: prefill: %s, decode: %s", spec.num_q_heads,
-                 spec.num_kv_heads, spec.head_dim, spec.dtype, device, sel.prefill, sel.decode)
+        log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
         _selections[key] = sel
     return _selections[key]
 

@@ -1,4 +1,4 @@
-"""Validation cases and timing workloads derived from the spec.
+"""Is it right: validation cases derived from the spec, the float32 reference, the tolerance, the pass/fail check.
 
 Tolerance rule: a backend passes when its max abs error against the float32 reference is at most
 ``TOL_FACTOR * sdpa_err + TOL_FLOOR[dtype]``, where sdpa_err is the max abs error that torch SDPA itself makes on the
@@ -69,7 +69,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def _cu(lengths: list[int], device) -> torch.Tensor:
+def cumulative(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
@@ -96,7 +96,7 @@ def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def prefill_case(spec: AttentionSpec, device: torch.device, seed: int = 0) -> PrefillCase:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     lq, lk = prefill_lengths(device)
-    cu_q, cu_k = _cu(lq, device), _cu(lk, device)
+    cu_q, cu_k = cumulative(lq, device), cumulative(lk, device)
     dt = spec.torch_dtype
     q = torch.randn(sum(lq), spec.num_q_heads, spec.head_dim, generator=gen).to(device, dt)
     k = torch.randn(sum(lk), spec.num_kv_heads, spec.head_dim, generator=gen).to(device, dt)
@@ -155,56 +155,21 @@ def run_case(backend, spec: AttentionSpec, case: PrefillCase | DecodeCase) -> to
         return backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)(case.q, case.k, case.v)
     return backend.plan_decode(spec, case.page_table, case.seq_lens)(case.q, case.k_cache, case.v_cache)
 
-
-# --- timing workloads (policy "measure") ---------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Workload:
-    label: str
-    plan_args: tuple
-    inputs: tuple
-
-
-def prefill_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, list[int]]]:
-    """(label, sequence lengths): one long prompt, a few medium, many short, a ragged mix."""
-    if device.type != "cuda":
-        return [("2x64", [64, 64])]
-    return [("1x8192", [8192]), ("4x2048", [2048] * 4), ("32x256", [256] * 32),
-            ("ragged 13..3000", [13, 3000, 777, 1500, 100, 1])]
-
-
-def decode_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, int, int]]:
-    """(label, batch, context length)."""
-    if device.type != "cuda":
-        return [("4x128", 4, 128)]
-    return [("1x4096", 1, 4096), ("16x2048", 16, 2048), ("64x4096", 64, 4096), ("256x1024", 256, 1024)]
-
-
-def make_prefill_workload(spec: AttentionSpec, device: torch.device, label: str, lens: list[int]) -> Workload:
-    cu = _cu(lens, device)
-    total, dt = sum(lens), spec.torch_dtype
-    q = torch.randn(total, spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
-    k = torch.randn(total, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
-    v = torch.randn_like(k)
-    return Workload(label, (cu, cu, max(lens), max(lens)), (q, k, v))
-
-
-def make_decode_workload(spec: AttentionSpec, device: torch.device, label: str, batch: int, ctx: int) -> Workload:
-    ps, dt = spec.page_size, spec.torch_dtype
-    pages = math.ceil(ctx / ps)
-    k_cache = torch.randn(batch * pages, ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
-    v_cache = torch.randn_like(k_cache)
-    page_table = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
-    return Workload(label, (page_table, seq_lens), (q, k_cache, v_cache))
-
-
-def prefill_flops(spec: AttentionSpec, lens: list[int]) -> float:
-    """FLOPs of causal attention (half the square per sequence), 4 per multiply-add pair of the two matmuls."""
-    return sum(4 * spec.num_q_heads * spec.head_dim * n * n / (2 if spec.causal else 1) for n in lens)
-
-
-def decode_bytes(spec: AttentionSpec, batch: int, ctx: int) -> float:
-    item = torch.finfo(spec.torch_dtype).bits // 8
-    return 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * item
+def check_output(spec: AttentionSpec, out, case) -> dict:
+    """Compare one output with the case's reference; the fields of a result."""
+    if not isinstance(out, torch.Tensor) or out.shape != case.ref.shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return {"status": "rejected", "reason": f"output shape {got}, expected {tuple(case.ref.shape)}"}
+    tol = tolerance(spec, case.sdpa_err)
+    result = {"tolerance": tol, "sdpa_err": case.sdpa_err}
+    bad = (~torch.isfinite(out.float())).sum().item()
+    if bad:
+        return {**result, "status": "rejected", "max_abs_err": None,
+                "reason": f"{bad} of {out.numel()} output values are NaN or inf ({case.describe()})"}
+    err = max_abs_err(out, case.ref)
+    result["max_abs_err"] = err
+    if not err <= tol:
+        return {**result, "status": "rejected",
+                "reason": f"max abs error {err:.3g} exceeds tolerance {tol:.3g} (torch SDPA in {spec.dtype} errs "
+                          f"{case.sdpa_err:.3g}; {case.describe()})"}
+    return {**result, "status": "valid", "reason": ""}

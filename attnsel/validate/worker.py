@@ -10,11 +10,9 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
-import math
 import os
 import resource
 import signal
-import statistics
 import sys
 import time
 import traceback
@@ -23,95 +21,10 @@ import torch
 
 from .. import backends
 from ..spec import AttentionSpec
-from . import cases
+from . import cases, timing
 
 log = logging.getLogger("attnsel.worker")
 VALIDATION_WORKSPACE_MB = "32"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def check_output(spec: AttentionSpec, out, case) -> dict:
-    """Compare one output with the case's reference; the fields of a result."""
-    if not isinstance(out, torch.Tensor) or out.shape != case.ref.shape:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return {"status": "rejected", "reason": f"output shape {got}, expected {tuple(case.ref.shape)}"}
-    tol = cases.tolerance(spec, case.sdpa_err)
-    result = {"tolerance": tol, "sdpa_err": case.sdpa_err}
-    bad = (~torch.isfinite(out.float())).sum().item()
-    if bad:
-        return {**result, "status": "rejected", "max_abs_err": None,
-                "reason": f"{bad} of {out.numel()} output values are NaN or inf ({case.describe()})"}
-    err = cases.max_abs_err(out, case.ref)
-    result["max_abs_err"] = err
-    if not err <= tol:
-        return {**result, "status": "rejected",
-                "reason": f"max abs error {err:.3g} exceeds tolerance {tol:.3g} (torch SDPA in {spec.dtype} errs "
-                          f"{case.sdpa_err:.3g}; {case.describe()})"}
-    return {**result, "status": "valid", "reason": ""}
-
-
-def bench(fn, device: torch.device, target_s: float = 0.02, reps: int = 5) -> float:
-    """Median seconds per call of fn, timed with CUDA events (host clock on CPU), after a warm-up."""
-    fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    n = max(1, min(1000, int(target_s / max(time.perf_counter() - t0, 1e-6))))
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / n)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
-
-
-def as_graph(run, inputs, device: torch.device):
-    """A CUDA graph replay of run(*inputs): what an engine running under CUDA graphs pays per call."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        run(*inputs)  # warm-up outside capture (lazy init, autotuning)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(*inputs)
-    return graph.replay
-
-
-def measure(backend, spec: AttentionSpec, phase: str, device: torch.device, mode: str) -> dict:
-    """Time the backend on the spec's workloads; score = geometric mean of the per-workload times."""
-    os.environ.pop("ATTNSEL_FLASHINFER_WORKSPACE_MB", None)  # runtime-sized workspace for real batches
-    timings = {}
-    if phase == "prefill":
-        loads = [cases.make_prefill_workload(spec, device, label, lens)
-                 for label, lens in cases.prefill_workloads(spec, device)]
-        plan = backend.plan_prefill
-    else:
-        loads = [cases.make_decode_workload(spec, device, label, b, ctx)
-                 for label, b, ctx in cases.decode_workloads(spec, device)]
-        plan = backend.plan_decode
-    for load in loads:
-        run = plan(spec, *load.plan_args)
-        fn = as_graph(run, load.inputs, device) if mode == "graph" else (lambda r=run, i=load.inputs: r(*i))
-        timings[load.label] = bench(fn, device) * 1e6
-        del run, fn
-    score = math.exp(sum(math.log(t) for t in timings.values()) / len(timings))
-    return {"timings_us": timings, "score_us": score}
 
 
 def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.device, case, do_measure: bool,
@@ -123,8 +36,8 @@ def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.devic
     t0 = time.perf_counter()
     try:
         out = cases.run_case(backend, spec, case)
-        _sync(device)
-        result = check_output(spec, out, case)
+        timing._sync(device)
+        result = cases.check_output(spec, out, case)
     except Exception as exc:
         log.error("%s %s raised:\n%s", name, phase, traceback.format_exc())
         result = {"status": "rejected", "reason": f"raised {type(exc).__name__}: {exc}"}
@@ -133,7 +46,7 @@ def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.devic
         result["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if result["status"] == "valid" and do_measure:
         try:
-            result.update(measure(backend, spec, phase, device, mode))
+            result.update(timing.measure(backend, spec, phase, device, mode))
         except Exception as exc:
             log.error("%s %s timing failed:\n%s", name, phase, traceback.format_exc())
             result["timing_error"] = f"timing in {mode} mode failed: {type(exc).__name__}: {exc}"

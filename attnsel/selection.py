@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Literal
 
 import torch
 
@@ -30,10 +31,16 @@ class SelectionError(RuntimeError):
     """No backend can serve a phase, or an explicitly requested backend is unavailable or failed validation."""
 
 
+Status = Literal["selected", "valid", "rejected", "unavailable"]
+Source = Literal["auto", "explicit"]
+
+
 @dataclasses.dataclass
 class Candidate:
+    """One backend's result for one phase: status, the reason when it is not usable, its error and timings."""
+
     name: str
-    status: str  # selected | valid | rejected | unavailable
+    status: Status
     reason: str = ""
     max_abs_err: float | None = None
     tolerance: float | None = None
@@ -47,20 +54,48 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class PhaseChoice:
+    """What was chosen for one phase, how (auto or explicit), and every candidate considered, in priority order."""
+
+    backend: str
+    source: Source
+    candidates: list[Candidate]
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "source": self.source, "candidates": [c.to_dict() for c in self.candidates]}
+
+
+@dataclasses.dataclass(frozen=True)
 class Selection:
     """The chosen backend per phase and everything needed to explain the choice."""
 
     spec: AttentionSpec
-    prefill: str
-    decode: str
-    prefill_source: str  # auto | explicit
-    decode_source: str
+    phases: dict[Phase, PhaseChoice]
     policy: str
     mode: str
-    candidates: dict  # phase -> list[Candidate]
-    cache: str  # hit | miss | off
+    cache: Literal["hit", "miss", "off"]
     device: dict
     stats: dict
+
+    @property
+    def prefill(self) -> str:
+        return self.phases["prefill"].backend
+
+    @property
+    def decode(self) -> str:
+        return self.phases["decode"].backend
+
+    @property
+    def prefill_source(self) -> Source:
+        return self.phases["prefill"].source
+
+    @property
+    def decode_source(self) -> Source:
+        return self.phases["decode"].source
+
+    @property
+    def candidates(self) -> dict[Phase, list[Candidate]]:
+        return {p: c.candidates for p, c in self.phases.items()}
 
     @property
     def prefill_backend(self) -> backends.Backend:
@@ -80,10 +115,8 @@ class Selection:
         return self.decode_backend.plan_decode(self.spec, page_table, seq_lens)
 
     def to_json(self) -> dict:
-        phase = {p: {"backend": getattr(self, p), "source": getattr(self, f"{p}_source"),
-                     "candidates": [c.to_dict() for c in self.candidates[p]]} for p in PHASES}
-        return {**phase, "cache": self.cache, "policy": self.policy, "mode": self.mode, "device": self.device,
-                "spec": self.spec.to_dict(), "stats": self.stats}
+        return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,
+                "mode": self.mode, "device": self.device, "spec": self.spec.to_dict(), "stats": self.stats}
 
     def summary(self) -> str:
         return f"prefill: {self.prefill} ({self.prefill_source}), decode: {self.decode} ({self.decode_source})"
@@ -205,11 +238,10 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
         ranked = [found[(n, phase)] for n in names[phase]]
         chosen[phase] = _choose(phase, choices[phase], ranked, phase in timed)
         chosen[phase].status = "selected"
-    selection = Selection(spec, chosen["prefill"].name, chosen["decode"].name,
-                          "auto" if choices["prefill"] == AUTO else "explicit",
-                          "auto" if choices["decode"] == AUTO else "explicit", policy, mode,
-                          {p: [found[(n, p)] for n in names[p]] for p in PHASES},
-                          "off" if cache is None else ("miss" if todo else "hit"), fp, stats)
+    phases = {p: PhaseChoice(chosen[p].name, "auto" if choices[p] == AUTO else "explicit",
+                             [found[(n, p)] for n in names[p]]) for p in PHASES}
+    selection = Selection(spec, phases, policy, mode, "off" if cache is None else ("miss" if todo else "hit"), fp,
+                          stats)
     log.info("%s", selection.summary())
     return selection
 
