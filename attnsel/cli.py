@@ -192,7 +192,8 @@ def dispatch_table(sel: Selection, phase: str) -> Table | None:
         return None
     axes = ", ".join(table.axes)
     skipped = f"; {len(table.skipped)} bucket(s) skipped for the time budget" if table.skipped else ""
-    out = Table(title=f"{phase} dispatch ({sel.mode}; buckets over {axes}{skipped}; default {table.default})",
+    wins = ", ".join(f"{n} {k}" for n, k in sorted(table.wins().items(), key=lambda kv: -kv[1]))
+    out = Table(title=f"{phase} dispatch, {sel.mode}: buckets over {axes}; wins: {wins}{skipped}",
                 title_justify="left")
     for col in ("bucket", "backend", "us/call", "runner-up", "x"):
         out.add_column(col, no_wrap=True, overflow="ellipsis")
@@ -208,8 +209,7 @@ def choice_line(sel: Selection, phase: str) -> str:
         return f"{phase}: cannot be served: {one_line(choice.error)}"
     line = f"{phase}: {choice.backend} ({choice.source})"
     if choice.table and len(choice.table.wins()) > 1:
-        wins = ", ".join(f"{n} {k}" for n, k in sorted(choice.table.wins().items(), key=lambda kv: -kv[1]))
-        line += f", dispatch over {len(choice.table.buckets)} buckets: {wins}"
+        line += f", dispatch over {len(choice.table.buckets)} buckets ({len(choice.table.wins())} backends)"
     return line
 
 
@@ -260,13 +260,13 @@ def cmd_report(args: argparse.Namespace, out: Console) -> int:
                 out.print(table)
         stats = sel.stats
         cache_where = "" if sel.cache == "off" else f" ({ResultCache(args.cache_dir).path})"
-        out.print(f"cache: {sel.cache}{cache_where}", highlight=False, soft_wrap=True)
+        out.print(f"cache: {sel.cache}{cache_where}", highlight=False)
         mem = f", peak GPU memory {stats['worker_peak_gpu_mem_mb']:.0f} MiB" if stats["worker_peak_gpu_mem_mb"] else ""
         rss = f", peak RSS {stats['worker_peak_rss_mb']:.0f} MiB" if stats["worker_peak_rss_mb"] else ""
         timed = f", timing {stats['timing_wall_s']:.1f} s" if stats.get("timing_wall_s") else ""
         out.print(f"validation worker: {stats['spawns']} spawn(s), {stats['deaths']} death(s), "
                   f"{stats['worker_wall_s']:.1f} s{timed}{rss}{mem}", highlight=False)
-        out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}", highlight=False, soft_wrap=True)
+        out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}", highlight=False)
         for phase in sel.phases:
             out.print(choice_line(sel, phase), highlight=False, markup=False, soft_wrap=True)
     if failure is not None:
