@@ -132,6 +132,23 @@ def make_decode_workload(spec: AttentionSpec, device: torch.device, label: str, 
     return Workload(label, (page_table, seq_lens), (q, k_cache, v_cache))
 
 
+def make_ragged_decode_workload(spec: AttentionSpec, device: torch.device, label: str, lens: list[int]) -> Workload:
+    """A decode batch whose sequences have the given context lengths (shuffled pages; unused table columns 0)."""
+    ps, dt = spec.page_size, spec.torch_dtype
+    pages = [math.ceil(n / ps) for n in lens]
+    k_cache = torch.randn(sum(pages), ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(sum(pages), device=device).to(torch.int32)
+    page_table = torch.zeros((len(lens), max(pages)), dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(pages):
+        page_table[b, :n] = order[start:start + n]
+        start += n
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
+    return Workload(label, (page_table, seq_lens), (q, k_cache, v_cache))
+
+
 def prefill_flops(spec: AttentionSpec, lens: list[int]) -> float:
     """FLOPs of causal attention (half the square per sequence), 4 per multiply-add pair of the two matmuls."""
     return sum(4 * spec.num_q_heads * spec.head_dim * n * n / (2 if spec.causal else 1) for n in lens)
@@ -168,6 +185,8 @@ def rotated_workloads(spec: AttentionSpec, phase: str, shape, device: torch.devi
     """(plan_args, input sets) of one bucket: one plan, several input sets of the same shapes (HBM rotation)."""
     if phase == "prefill":
         first = make_prefill_workload(spec, device, "", shape)
+    elif isinstance(shape, list):
+        first = make_ragged_decode_workload(spec, device, "", shape)
     else:
         first = make_decode_workload(spec, device, "", *shape)
     count = num_sets(_nbytes(first.inputs), device)
