@@ -369,3 +369,103 @@ def test_selection_error_carries_what_was_found(monkeypatch):
     import pickle
 
     assert pickle.loads(pickle.dumps(exc.value)).selection.decode == "torch"  # survives the rank-0 broadcast
+
+
+# ---- the timing rules (HBM rotation, interleaving) and the bench grid ----
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1), (28, 4)])
+def test_every_timed_bucket_rotates_more_than_twice_the_l2(monkeypatch, heads):
+    """Rotation covers the H200's 50 MB L2 twice over for every bucket of the real (GPU) grids."""
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: 50 << 20)
+    spec = AttentionSpec(*heads, 128, "bf16", 16)
+    cuda = torch.device("cuda")  # only its type is read: nothing is allocated
+    item = 2
+    for _, b, c in timing.decode_grid(spec, cuda):
+        kv_set = 2 * b * math.ceil(c / 16) * 16 * spec.num_kv_heads * 128 * item + b * spec.num_q_heads * 128 * item
+        assert timing.num_sets(kv_set, cuda) * kv_set >= 2 * (50 << 20), (b, c)
+    for _, lens in timing.prefill_grid(spec, cuda):
+        t = sum(lens)
+        qkv = t * (spec.num_q_heads + 2 * spec.num_kv_heads) * 128 * item
+        assert timing.num_sets(qkv, cuda) * qkv >= 2 * (50 << 20), lens
+
+
+def test_grids_are_coarse_first_and_within_the_caps():
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")
+    dec = timing.decode_grid(spec, cuda)
+    levels = [lvl for lvl, _, _ in dec]
+    assert levels == sorted(levels) and levels[0] == 0
+    coarse = {(b, c) for lvl, b, c in dec if lvl == 0}
+    assert (1, 256) in coarse and (256, 256) in coarse and (1, 16384) in coarse  # both ends of every axis
+    assert all(timing.decode_bytes(spec, b, c) <= timing.MAX_DECODE_KV_BYTES for _, b, c in dec)
+    assert all(sum(lens) <= timing.MAX_PREFILL_TOKENS for _, lens in timing.prefill_grid(spec, cuda))
+
+
+class Logged:
+    """A fake backend that logs (its name, the id of the q it ran on) for every run call."""
+
+    calls: list = []
+
+    def __init__(self, name):
+        self.name = name
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        return lambda q, k, v: Logged.calls.append((self.name, id(q)))
+
+
+def test_candidates_are_interleaved_and_rotate_the_input_sets(monkeypatch):
+    monkeypatch.setattr(timing, "num_sets", lambda nbytes, device: 3)
+    Logged.calls.clear()
+    cands = {"a": Logged("a"), "b": Logged("b"), "c": Logged("c")}
+    out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=3)
+    assert set(out["us"]) == {"a", "b", "c"} and not out["errors"]
+    timed = Logged.calls[3 + 3:]  # after one warm-up call each and one calibration sample each
+    assert [n for n, _ in timed] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # round-robin, rotated start
+    sets = [q for _, q in Logged.calls[3:]]  # from calibration on: one shared cursor over the 3 input sets
+    assert len(set(sets)) == 3
+    assert all(sets[i] != sets[i + 1] for i in range(len(sets) - 1))  # never the set the previous call just read
+
+
+def test_a_candidate_that_fails_in_a_bucket_gets_no_time_there():
+    class Broken:
+        name = "broken"
+
+        def plan_decode(self, spec, page_table, seq_lens):
+            raise RuntimeError("no kernel for this shape\nlong trace")
+
+    out = timing.time_bucket({"torch": TORCH, "broken": Broken()}, SPEC, "decode", (2, 32), torch.device("cpu"),
+                             "eager", reps=2)
+    assert set(out["us"]) == {"torch"}
+    assert out["errors"] == {"broken": "plan or first run failed: RuntimeError: no kernel for this shape"}
+
+
+def test_bench_grid_differs_from_the_timed_buckets():
+    from attnsel import bench
+
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")
+    timed_pre = {timing.prefill_key(lens) for _, lens in timing.prefill_grid(spec, cuda)}
+    timed_dec = {(b, c) for _, b, c in timing.decode_grid(spec, cuda)}
+    pre = bench.shapes(spec, "prefill", quick=False)
+    dec = bench.shapes(spec, "decode", quick=False)
+    assert pre and dec and not {k for _, k, _, _ in pre} & timed_pre and not {k for _, k, _, _ in dec} & timed_dec
+    assert any(label.startswith("ragged") for label, _, _, _ in dec)
+
+
+def test_bench_compares_selected_one_backend_and_static_priority():
+    from attnsel import bench
+
+    cells = {(1, 256): {"fa3": 12.0, "flashinfer": 10.0}, (64, 256): {"fa3": 20.0, "flashinfer": 30.0}}
+    table = build_table(measured("decode", "eager", cells), ["flashinfer", "fa3"])
+    sel = _selection({"decode": PhaseChoice(table.default, "auto", [], table)})
+    row = [bench.Cell({}, "decode", "48x200", "eager", n, us, 1.0, vs_best=us / 20.0)
+           for n, us in (("fa3", 20.0), ("flashinfer", 31.0))]
+    got = bench.compare(AttentionSpec(32, 8, 128), "decode", "eager", "48x200", (48, 200), row, ["fa3", "flashinfer"],
+                        sel)
+    assert got["fastest"] == "fa3" and got["selected"] == "fa3" and got["selected_ratio"] == 1.0
+    assert got["static"] == "fa3"
+    assert got["one_backend"] == table.default
+    summary = bench.summarise([got, {**got, "shape": "x", "selected": "flashinfer", "selected_ratio": 1.2}])
+    sel_row = next(s for s in summary if s["strategy"] == "selected")
+    assert sel_row["within_tie"] == 1 and sel_row["worst"] == 1.2
+    assert sel_row["geomean"] == pytest.approx(math.sqrt(1.2))
