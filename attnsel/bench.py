@@ -113,10 +113,10 @@ def static_choice(valid: list[str]) -> str | None:
 
 
 def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: bool, device: torch.device,
-             probe: dict, choices: dict, progress) -> tuple[list[Cell], dict, list[dict]]:
-    """Time the grid; returns the cells, the validity checks and one comparison row per (phase, mode, shape)."""
+             probe: dict, progress) -> tuple[list[Cell], dict, list[tuple]]:
+    """Time the grid; returns the cells, the validity checks and per (phase, mode, shape) what compare() needs."""
     cells: list[Cell] = []
-    checks, rows = {}, []
+    checks, groups = {}, []
     for phase in ("prefill", "decode"):
         status = valid_backends(spec, phase, names, device)
         checks[phase] = status
@@ -136,11 +136,11 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
                             c.vs_copy, c.vs_read = c.rate / probe["copy_tbps"], c.rate / probe["read_tbps"]
                 cells.extend(row)
                 if best:
-                    rows.append(compare(spec, phase, mode, label, key, row, runnable, choices.get(mode)))
+                    groups.append((phase, mode, label, key, row, runnable))
                 progress(f"{spec.num_q_heads}/{spec.num_kv_heads} d{spec.head_dim} {phase} {label} {mode}: " +
                          ", ".join(f"{c.backend} {c.us:.1f}us" if c.us else f"{c.backend} error" for c in row))
             torch.cuda.empty_cache()
-    return cells, checks, rows
+    return cells, checks, groups
 
 
 def compare(spec: AttentionSpec, phase: str, mode: str, label: str, key: tuple, row: list[Cell],
@@ -282,6 +282,11 @@ def run_bench(args: argparse.Namespace, out: Console) -> int:
     cells, checks, rows, selections = [], {}, [], []
     t0 = time.perf_counter()
     for spec in grid_specs(args, base):
+        # the grid first: its in-process checks build any JIT kernels, so the selections below time a cold
+        # selection without JIT builds (with a fresh ATTNSEL_CACHE_DIR)
+        spec_cells, spec_checks, groups = run_grid(spec, names, modes, args.quick, device, probe, log.info)
+        cells += spec_cells
+        checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
         choices = {}
         for mode in modes:
             t_sel = time.perf_counter()
@@ -294,13 +299,10 @@ def run_bench(args: argparse.Namespace, out: Console) -> int:
             selections.append({"spec": spec.to_dict(), "mode": mode, "prefill": sel.prefill, "decode": sel.decode,
                                "cache": sel.cache, "wall_s": time.perf_counter() - t_sel, "stats": sel.stats,
                                "dispatch": {p: t.to_json() if t else None for p, t in sel.dispatch.items()}})
-            log.info("selection (%s, %s) in %.1f s: %s", spec.describe(), mode, time.perf_counter() - t_sel,
-                     sel.summary())
-        spec_cells, spec_checks, spec_rows = run_grid(spec, names, modes, args.quick, device, probe, choices,
-                                                      log.info)
-        cells += spec_cells
-        rows += spec_rows
-        checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
+            log.info("selection (%s, %s, cache %s) in %.1f s: %s", spec.describe(), mode, sel.cache,
+                     time.perf_counter() - t_sel, sel.summary())
+        rows += [compare(spec, phase, mode, label, key, row, runnable, choices.get(mode))
+                 for phase, mode, label, key, row, runnable in groups]
     summary = summarise(rows)
     props = torch.cuda.get_device_properties(device)
     header = (f"# attnsel bench on {props.name} ({time.strftime('%Y-%m-%d')}), torch {torch.__version__}; times are "

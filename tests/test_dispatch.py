@@ -469,3 +469,93 @@ def test_bench_compares_selected_one_backend_and_static_priority():
     sel_row = next(s for s in summary if s["strategy"] == "selected")
     assert sel_row["within_tie"] == 1 and sel_row["worst"] == 1.2
     assert sel_row["geomean"] == pytest.approx(math.sqrt(1.2))
+
+
+def test_bench_plumbing_on_tiny_cpu_shapes(monkeypatch, tmp_path):
+    """run_grid -> compare -> summarise -> markdown end to end (the real timing on CPU, tiny shapes)."""
+    from attnsel import bench
+
+    monkeypatch.setattr(bench, "QUICK_PREFILL", [[8], [5, 3]])
+    monkeypatch.setattr(bench, "QUICK_DECODE", [(1, 20), [5, 17]])
+    monkeypatch.setattr(timing, "REPS", 2)
+    cpu = torch.device("cpu")
+    probe = {"copy_tbps": 1.0, "read_tbps": 1.0}
+    cells, checks, groups = bench.run_grid(SPEC, ["torch", "triton"], ["eager"], True, cpu, probe, lambda m: None)
+    assert checks == {"prefill": {"torch": "", "triton": ""}, "decode": {"torch": "", "triton": ""}}
+    assert [g[2] for g in groups] == ["1x8", "2 seqs, 8 tok, max 5", "1x20", "ragged 2 (max 17)"]
+    assert all(c.us and c.vs_best >= 1 for c in cells)
+    table = build_table(measured("decode", "eager", {(1, 20): {"torch": 1.0, "triton": 2.0},
+                                                     (2, 17): {"torch": 2.0, "triton": 1.0}}), ["triton", "torch"])
+    sel = _selection({"decode": PhaseChoice(table.default, "auto", [], table)})
+    rows = [bench.compare(SPEC, *g[:4], g[4], g[5], sel) for g in groups]
+    assert rows[3]["selected"] == "triton" and rows[2]["selected"] == "torch"
+    assert rows[0]["selected"] == "torch" and rows[0]["static"] == "triton"
+    text = bench.markdown(cells, probe, rows, bench.summarise(rows), "# header")
+    assert "| ragged 2 (max 17) |" in text and "| 4/2 | decode | eager | selected |" in text
+
+
+# ---- GPU (skipped without CUDA) ----
+
+class Syncing:
+    """torch's kernels plus a host sync in run: correct in eager mode, impossible to capture in a CUDA graph."""
+
+    name = "syncing"
+    version = "test"
+
+    def unsupported(self, spec, phase):
+        return None
+
+    def plan_prefill(self, spec, *args):
+        run = TORCH.plan_prefill(spec, *args)
+        return lambda q, k, v: run(q, k, v) if q.sum().item() is not None else None
+
+    def plan_decode(self, spec, *args):
+        run = TORCH.plan_decode(spec, *args)
+        return lambda q, k, v: run(q, k, v) if q.sum().item() is not None else None
+
+
+SYNCING = Syncing()
+GPU_SPEC = AttentionSpec(32, 8, 128, "bf16", 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_graph_mode_rejects_a_backend_that_cannot_be_captured(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:SYNCING")
+    eager = select(GPU_SPEC, prefill="syncing", decode="syncing", cache_dir=str(tmp_path))
+    assert eager.prefill == "syncing"  # valid in eager mode
+    with pytest.raises(SelectionError, match="requested explicitly but is rejected: cannot serve under CUDA graphs: "
+                                             "CUDA graph capture failed"):
+        select(GPU_SPEC, prefill="syncing", decode="torch", mode="graph", cache_dir=str(tmp_path))
+    auto = select(GPU_SPEC, mode="graph", policy="priority", prefill_priority=["syncing", "torch"],
+                  decode_priority=["syncing", "torch"], cache_dir=str(tmp_path))
+    assert auto.prefill == "torch" and auto.candidates["prefill"][0].status == "rejected"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_gpu_dispatch_table_serves_correct_outputs(tmp_path, mode):
+    from attnsel.validate import cases
+    from attnsel.validate.cases import check_output
+
+    sel = select(GPU_SPEC, mode=mode, cache_dir=str(tmp_path), prefill_priority=["triton", "torch"],
+                 decode_priority=["triton", "torch"])
+    for phase in ("prefill", "decode"):
+        table = sel.dispatch[phase]
+        assert table is not None and len(table.buckets) >= 4, phase
+        if phase == "decode":
+            assert table.axes == (("batch",) if mode == "graph" else ("batch", "context"))
+        assert all(min(b.spread.values()) < 1.0 for b in table.buckets)
+    dev = torch.device("cuda")
+    case = cases.make_case(GPU_SPEC, "decode", dev)
+    run = sel.plan_decode(case.page_table, case.seq_lens, int(case.seq_lens.max()))
+    assert check_output(GPU_SPEC, run(case.q, case.k_cache, case.v_cache), case)["status"] == "valid"
+    case = cases.make_case(GPU_SPEC, "prefill", dev)
+    run = sel.plan_prefill(case.cu_q, case.cu_k, case.max_q, case.max_k, case.q.shape[0])
+    assert check_output(GPU_SPEC, run(case.q, case.k, case.v), case)["status"] == "valid"
+    with pytest.raises(ValueError, match=r"^q: expected \[.*\] bf16 on cuda:0, got .* on cpu$"):
+        run(case.q.cpu(), case.k, case.v)
+    warm = select(GPU_SPEC, mode=mode, cache_dir=str(tmp_path), prefill_priority=["triton", "torch"],
+                  decode_priority=["triton", "torch"])
+    assert warm.cache == "hit" and warm.dispatch["decode"].to_json() == sel.dispatch["decode"].to_json()
