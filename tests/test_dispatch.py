@@ -559,3 +559,13 @@ def test_gpu_dispatch_table_serves_correct_outputs(tmp_path, mode):
     warm = select(GPU_SPEC, mode=mode, cache_dir=str(tmp_path), prefill_priority=["triton", "torch"],
                   decode_priority=["triton", "torch"])
     assert warm.cache == "hit" and warm.dispatch["decode"].to_json() == sel.dispatch["decode"].to_json()
+
+
+def test_decode_grid_shrinks_with_free_memory():
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")
+    full = timing.decode_grid(spec, cuda)
+    small = timing.decode_grid(spec, cuda, free_bytes=6 << 30)  # 6 GiB free: KV sets of at most 1 GiB
+    assert len(small) < len(full)
+    assert all(timing.decode_bytes(spec, b, c) <= 1 << 30 for _, b, c in small)
+    assert {(b, c) for _, b, c in small} <= {(b, c) for _, b, c in full}

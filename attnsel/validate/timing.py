@@ -90,14 +90,17 @@ def prefill_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, l
     return sorted(grid, key=lambda item: item[0])
 
 
-def decode_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, int, int]]:
-    """(level, batch, context length) of the timed decode buckets, coarse grid first; KV read capped."""
+def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None) -> list[tuple[int, int, int]]:
+    """(level, batch, context length) of the timed decode buckets, coarse grid first. A bucket's KV cache is at most
+    MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it (the torch backend gathers a copy, and
+    a server may select after loading its weights); the cells left out are served by their nearest neighbour."""
     if device.type != "cuda":
         return [(0, b, c) for b, c in CPU_DECODE]
+    cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
     grid = []
     for i, b in enumerate(DECODE_BATCHES):
         for j, c in enumerate(DECODE_CTX):
-            if decode_bytes(spec, b, c) <= MAX_DECODE_KV_BYTES:
+            if decode_bytes(spec, b, c) <= cap:
                 grid.append((max(_level(i, len(DECODE_BATCHES)), _level(j, len(DECODE_CTX))), b, c))
     return sorted(grid, key=lambda item: item[0])
 
@@ -361,6 +364,10 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     return {"us": us, "spread": spread, "errors": errors}
 
 
+def _free_bytes(device: torch.device) -> int | None:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def budget_from_env() -> float:
     raw = os.environ.get(BUDGET_ENV)
     if raw is None:
@@ -391,7 +398,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     cands = {name: backends.get(name) for name in names}
     if grid is None:
         grid = ([(lvl, lens) for lvl, lens in prefill_grid(spec, device)] if phase == "prefill"
-                else [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device)])
+                else [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, _free_bytes(device))])
     buckets, skipped = [], []
     for _level_, shape in grid:
         if phase == "prefill":
