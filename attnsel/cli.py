@@ -127,9 +127,10 @@ def one_line(reason: str, limit: int = 160) -> str:
 
 
 def _time_note(sel: Selection) -> str:
-    return (f"time: {sel.mode} us per call, geometric mean over the phase's timed buckets (each the median of "
-            "interleaved samples, inputs read from HBM); vs best: that over the fastest candidate's; check s: "
-            "validation wall time")
+    return (f"{sel.mode} us: time per call, geometric mean over the phase's timed buckets (each the median of "
+            "interleaved samples, inputs read from HBM); vs best: over the fastest candidate's; check s: validation "
+            "wall time. Dispatch tables: us/call of the bucket's backend, spread (max - min) / median of its "
+            "samples, x: the runner-up's time over it.")
 
 
 def _cut(text: str, room: int) -> str:
@@ -185,8 +186,9 @@ def report_table(sel: Selection, width: int = 80) -> Group:
     return Group(*parts)
 
 
-def dispatch_table(sel: Selection, phase: str) -> Table | None:
-    """The phase's dispatch table: per bucket the backend, its time, the runner-up and the ratio."""
+def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
+    """The phase's dispatch table: per bucket the backend, its time and spread, the runner-up and the ratio. Fits
+    ``width`` columns: long bucket labels and backend names are cut (in full in --json)."""
     table = sel.dispatch.get(phase)
     if table is None:
         return None
@@ -195,10 +197,22 @@ def dispatch_table(sel: Selection, phase: str) -> Table | None:
     wins = ", ".join(f"{n} {k}" for n, k in sorted(table.wins().items(), key=lambda kv: -kv[1]))
     out = Table(title=f"{phase} dispatch, {sel.mode}: buckets over {axes}; wins: {wins}{skipped}",
                 title_justify="left")
-    for col in ("bucket", "backend", "us/call", "runner-up", "x"):
-        out.add_column(col, no_wrap=True, overflow="ellipsis")
+    rows = []
     for b in table.buckets:
-        out.add_row(b.label, b.backend, f"{b.us:.1f}", b.runner_up or "", _fmt(b.ratio, ".2f"))
+        spread = b.spread.get(b.backend)
+        rows.append([b.label, b.backend, f"{b.us:.1f}", f"{spread:.0%}" if spread is not None else "",
+                     f"{b.ratio:.2f}x" if b.ratio else "", b.runner_up or ""])
+    heads = ["bucket", "backend", "us/call", "spread", "x", "runner-up"]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(heads)]
+    room = width - 3 * len(heads) - 1 - sum(widths[2:5])  # for bucket, backend and runner-up
+    if sum(widths[i] for i in (0, 1, 5)) > room:
+        name_w = max(10, min(max(widths[1], widths[5]), (room - min(widths[0], 14)) // 2))
+        widths[1] = widths[5] = min(name_w, max(widths[1], widths[5]))
+        widths[0] = max(8, room - widths[1] - widths[5])
+    for i, h in enumerate(heads):
+        out.add_column(h, no_wrap=True, justify="right" if 2 <= i <= 4 else "left", width=widths[i])
+    for r in rows:
+        out.add_row(*(_cut(cell, widths[i]) for i, cell in enumerate(r)))
     return out
 
 
@@ -255,7 +269,7 @@ def cmd_report(args: argparse.Namespace, out: Console) -> int:
         out.print(report_table(sel, out.width))
         out.print(_time_note(sel), soft_wrap=False)
         for phase in sel.phases:
-            table = dispatch_table(sel, phase)
+            table = dispatch_table(sel, phase, out.width)
             if table is not None:
                 out.print(table)
         stats = sel.stats

@@ -107,8 +107,8 @@ def test_report_shows_the_dispatch_table(capsys, monkeypatch, injected):
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "decode dispatch" in out and "prefill dispatch" in out
     rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│ 4x32")]
-    assert [c.strip() for c in rows[0]] == ["4x32", "triton", "30.0", "torch", "3.00"]
-    assert "time: eager us per call" in " ".join(out.split())
+    assert [c.strip() for c in rows[0]] == ["4x32", "triton", "30.0", "1%", "3.00x", "torch"]
+    assert "eager us: time per call" in " ".join(out.split())
     assert "decode dispatch, eager: buckets over batch, context; wins: torch 1, triton 1" in " ".join(out.split())
     assert out.splitlines()[-1] == "decode: triton (auto), dispatch over 2 buckets (2 backends)"
 
@@ -139,3 +139,22 @@ def test_select_prints_the_choice_per_phase(capsys, monkeypatch, injected):
     assert code == 0
     assert out.splitlines() == ["prefill: triton (auto), dispatch over 2 buckets (2 backends)",
                                 "decode: triton (auto), dispatch over 2 buckets (2 backends)"]
+
+
+def test_dispatch_table_with_long_names_fits_80_columns():
+    from rich.console import Console
+
+    from attnsel.cli import dispatch_table
+    from attnsel.selection import PhaseChoice, build_table
+    from tests.test_dispatch import _selection, measured
+
+    cells = {(16, 3008, 2048): {"flashinfer_cuda_cores": 100.0, "flashinfer": 120.0},
+             (1, 64, 64): {"flashinfer_cuda_cores": 10.0, "flashinfer": 9.0}}
+    table = build_table(measured("prefill", "eager", cells), ["flashinfer", "flashinfer_cuda_cores"])
+    sel = _selection({"prefill": PhaseChoice("flashinfer", "auto", [], table)})
+    console = Console(width=80, record=True)
+    console.print(dispatch_table(sel, "prefill", 80))
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines)) <= 80
+    row = next(line for line in lines if "16x3008x2048" in line)
+    assert "100.0" in row and "1.20x" in row and "1%" in row  # the numbers are never cut
