@@ -159,7 +159,8 @@ class DispatchTable:
 
     @classmethod
     def from_json(cls, data: dict) -> "DispatchTable":
-        return cls(data["phase"], data["mode"], tuple(data["axes"]), tuple(Bucket.from_json(b) for b in data["buckets"]),
+        return cls(data["phase"], data["mode"], tuple(data["axes"]),
+                   tuple(Bucket.from_json(b) for b in data["buckets"]),
                    data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"))
 
 
@@ -281,7 +282,8 @@ def _check_features(spec: AttentionSpec, kwargs: dict, phase: str) -> None:
             raise ValueError(f"{name}: expected a one-element fp32 tensor (the spec's KV cache is {spec.kv_dtype}), "
                              f"got {_describe(scale)}")
         if not scaled and scale is not None:
-            why = "prefill takes k/v in the activation dtype" if spec.kv_dtype else f"the spec's KV cache is {spec.dtype}"
+            why = ("prefill takes k/v in the activation dtype" if spec.kv_dtype
+                   else f"the spec's KV cache is {spec.dtype}")
             raise ValueError(f"{name}: given, but {why} (no scales)")
 
 

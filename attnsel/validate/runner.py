@@ -161,8 +161,9 @@ def run_tasks(spec: AttentionSpec, tasks: list[tuple[str, str]], *, device: str,
                 if in_flight is None:
                     event = _wait(worker, STARTUP_TIMEOUT_S if not results else timeout, "starting the worker")
                 else:
-                    event = _wait(worker, timeout, f"timing the {in_flight[1]} candidates" if in_flight[0] == TIMING_TASK
-                                  else f"validating {in_flight[0]} {in_flight[1]}")
+                    what = (f"timing the {in_flight[1]} candidates" if in_flight[0] == TIMING_TASK
+                            else f"validating {in_flight[0]} {in_flight[1]}")
+                    event = _wait(worker, timeout, what)
                 if event is None:
                     break
                 kind = event.pop("event")

@@ -2,11 +2,13 @@
 
 Reads one JSON job from stdin: ``{"spec", "device", "tasks": [{"backend", "phase"}], "measure", "mode"}``; for each
 task writes JSON lines to the protocol descriptor: ``{"event": "start", ...}`` then ``{"event": "result", ...}``,
-and ``{"event": "done", ...}`` at the end. A task whose backend is ``timing.TIMING_TASK`` ("@timing") times the
-phase's candidates interleaved over the bucket grid; its candidates come from ``measure``: ``{phase: {"backends":
-[names in priority order], "vouched": [names valid in the parent's cache], "budget_s": seconds}}``. In mode
-"graph" every valid candidate is also captured in a CUDA graph and replayed ("graph_capture": "ok" or a reason). File descriptor 1 is pointed at stderr first, so that C/CUDA code printing
+and ``{"event": "done", ...}`` at the end. File descriptor 1 is pointed at stderr first, so that C/CUDA code printing
 to stdout cannot corrupt the protocol; the parent captures stderr and quotes its tail when the worker dies.
+
+A task whose backend is ``timing.TIMING_TASK`` ("@timing") times the phase's candidates interleaved over the bucket
+grid; its candidates come from ``measure``: ``{phase: {"backends": [names in priority order], "vouched": [names
+valid in the parent's cache], "budget_s": seconds}}``. In mode "graph" every valid candidate is also captured in a
+CUDA graph and replayed ("graph_capture": "ok" or a reason).
 """
 from __future__ import annotations
 
