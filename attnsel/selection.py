@@ -660,7 +660,7 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
         if phase in timing_errors:
             for name in names[phase]:
                 cand = found.get((name, phase))
-                if cand and cand.status == "valid" and not cand.reason:
+                if cand and cand.status == "valid" and not cand.reason and cand.score_us is None:
                     cand.reason = f"not timed: {_one_line(timing_errors[phase])}"
 
     phases, failures = {}, []
