@@ -587,3 +587,17 @@ def test_candidates_validated_by_a_worker_that_died_are_still_timed(monkeypatch,
     assert "timing the decode candidates on the bucket grid" in caplog.text  # the progress line says what runs
     again = select(SPEC, **kw)
     assert again.stats["spawns"] == 0 and again.dispatch["decode"].to_json() == table.to_json()
+
+
+def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
+    grid = [(0, (1, 16)), (0, (4, 16)), (1, (2, 16))]
+    out = timing.measure(SPEC, "decode", ["torch"], torch.device("cpu"), "eager", budget_s=1e-9, reps=1, grid=grid)
+    assert [b["label"] for b in out["buckets"]] == ["1x16"]  # the first bucket always runs
+    assert out["skipped"] == ["4x16", "2x16"]
+    table = build_table(out, ["torch"])
+    assert table.skipped == ("4x16", "2x16") and table.backend_for((64, 10**5)) == "torch"
+    monkeypatch.setenv(timing.BUDGET_ENV, "-1")
+    with pytest.raises(ValueError, match="ATTNSEL_TIMING_BUDGET_S must be positive"):
+        select(SPEC)
+    with pytest.raises(ValueError, match="budget_s must be a positive number of seconds"):
+        select(SPEC, budget_s=0)
