@@ -405,7 +405,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             key, label = prefill_key(shape), prefill_label(shape)
         else:
             key, label = tuple(shape), f"{shape[0]}x{shape[1]}"
-        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+        if budget_s is not None and buckets and time.perf_counter() - t0 > budget_s:
             skipped.append(label)
             continue
         timed = time_bucket(cands, spec, phase, shape, device, mode, reps)
