@@ -1,8 +1,13 @@
-"""`attnsel bench`: every valid backend over a grid of shapes, as ratios measured in one run.
+"""`attnsel bench`: every valid backend over a grid of shapes that the selection does not time, and how the
+selection's choice compares with the fastest backend of each cell.
 
-Prefill: TFLOP/s and time relative to the fastest backend of the cell. Decode: TB/s of KV read, relative to the
-fastest backend and to two bandwidth probes measured in the same run (a device copy, which reads and writes, and a
-read-only reduction). Writes bench.json, bench.md and bench.png (matplotlib) to --out.
+Each cell times all valid backends interleaved, inputs rotated so that every call reads from HBM
+(``timing.time_bucket``: the same rules as the selection's timing). Per cell it reports the fastest backend and, as
+time over the fastest: "selected" (what ``Selection.plan_prefill``/``plan_decode`` dispatch to for this shape), "one
+backend" (the selection's headline backend of the phase for every shape) and "static" (LightLLM's fixed priority
+FA3 > FlashInfer > Triton, the first valid). Decode also reports TB/s of KV read against two bandwidth probes of the
+same run (a device copy, which reads and writes, and a read-only reduction). Writes bench.json, bench.md and
+bench.png (matplotlib) to --out.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -18,20 +24,23 @@ from rich.console import Console
 from rich.table import Table
 
 from . import backends
-from .selection import select
+from .selection import TIE, select
 from .spec import AttentionSpec
 from .validate import cases, timing
 from .validate.cases import check_output
-from .validate.timing import as_graph, bench, probes
+from .validate.timing import probes
 
 log = logging.getLogger(__name__)
 
-PREFILL_GRID = [("1x1", [1]), ("1x512", [512]), ("1x2048", [2048]), ("1x8192", [8192]), ("1x16384", [16384]),
-                ("4x2048", [2048] * 4), ("16x512", [512] * 16), ("64x128", [128] * 64),
-                ("ragged x6", [1, 13, 3000, 777, 1500, 100])]
-DECODE_BATCHES = (1, 8, 64, 256)
-DECODE_CTX = (128, 1024, 4096, 32768)
-QUICK_DECODE = [(1, 4096), (8, 2048), (64, 4096), (256, 1024)]
+# Shapes between and beyond the selection's timed buckets (timing.PREFILL_* / DECODE_*), never on them.
+PREFILL_GRID = [[100], [400], [1500], [5000], [12000], [700] * 3, [300] * 10, [100] * 40,
+                [13, 3000, 777, 1500, 100, 1], [2500] + [50] * 20]
+DECODE_BATCHES = (1, 3, 12, 48, 100, 200)
+DECODE_CTX = (200, 700, 3000, 9000)
+RAGGED_DECODE = [100, 3000, 500, 9000, 20, 1500, 700, 4000]
+QUICK_PREFILL = [[400], [5000], [300] * 10, [13, 3000, 777, 1500, 100, 1]]
+QUICK_DECODE = [(1, 700), (12, 3000), (100, 700), RAGGED_DECODE]
+STATIC_PRIORITY = ("fa3", "flashinfer", "triton")  # LightLLM's fixed order
 MAX_KV_BYTES = 16 << 30
 
 
@@ -48,8 +57,7 @@ class Cell:
     vs_best: float | None = None  # time / fastest time in the cell
     vs_copy: float | None = None  # decode: achieved bandwidth / copy probe
     vs_read: float | None = None  # decode: achieved bandwidth / read-only probe
-
-
+    spread: float | None = None  # (max - min) / median of the interleaved samples
 
 
 def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: torch.device) -> dict[str, str]:
@@ -72,60 +80,54 @@ def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: to
     return status
 
 
-def time_cell(backend, spec: AttentionSpec, phase: str, load: timing.Workload, mode: str,
-              device: torch.device) -> float:
-    plan = backend.plan_prefill if phase == "prefill" else backend.plan_decode
-    run = plan(spec, *load.plan_args)
-    fn = as_graph(run, load.inputs, device) if mode == "graph" else (lambda: run(*load.inputs))
-    return bench(fn, device)
-
-
 def grid_specs(args: argparse.Namespace, base: AttentionSpec | None) -> list[AttentionSpec]:
     if base is not None:
         return [base]
     if args.quick:
         return [AttentionSpec(32, 8, 128, "bf16", 16)]
-    # head_dim 128 at GQA ratios 4, 1, 8; head_dim 64 at GQA 4 (each FlashInfer head_dim is a ~2 min JIT build)
-    return [AttentionSpec(32, kv, 128, "bf16", 16) for kv in (8, 32, 4)] + [AttentionSpec(32, 8, 64, "bf16", 16)]
+    return [AttentionSpec(q, kv, 128, "bf16", 16) for q, kv in ((32, 8), (8, 1), (28, 4))]
 
 
-def decode_grid(quick: bool) -> list[tuple[int, int]]:
-    return QUICK_DECODE if quick else [(b, c) for b in DECODE_BATCHES for c in DECODE_CTX]
+def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tuple[int, ...], list | tuple, float]]:
+    """(label, dispatch key, shape for timing.time_bucket, work: FLOPs or KV bytes) of the bench grid."""
+    out = []
+    if phase == "prefill":
+        for lens in (QUICK_PREFILL if quick else PREFILL_GRID):
+            out.append((timing.prefill_label(lens), timing.prefill_key(lens), lens, timing.prefill_flops(spec, lens)))
+        return out
+    grid = QUICK_DECODE if quick else [(b, c) for b in DECODE_BATCHES for c in DECODE_CTX] + [RAGGED_DECODE]
+    item = torch.finfo(spec.torch_dtype).bits // 8
+    for shape in grid:
+        if isinstance(shape, list):
+            label, key = f"ragged {len(shape)} (max {max(shape)})", (len(shape), max(shape))
+            work = 2 * sum(shape) * spec.num_kv_heads * spec.head_dim * item
+        else:
+            label, key, work = f"{shape[0]}x{shape[1]}", shape, timing.decode_bytes(spec, *shape)
+        if work <= MAX_KV_BYTES:
+            out.append((label, tuple(key), shape, work))
+    return out
+
+
+def static_choice(valid: list[str]) -> str | None:
+    return next((n for n in STATIC_PRIORITY if n in valid), None)
 
 
 def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: bool, device: torch.device,
-             probe: dict, progress) -> tuple[list[Cell], dict]:
+             probe: dict, progress) -> tuple[list[Cell], dict, list[tuple]]:
+    """Time the grid; returns the cells, the validity checks and per (phase, mode, shape) what compare() needs."""
     cells: list[Cell] = []
-    checks = {}
+    checks, groups = {}, []
     for phase in ("prefill", "decode"):
         status = valid_backends(spec, phase, names, device)
         checks[phase] = status
         runnable = [n for n, why in status.items() if not why]
-        if phase == "prefill":
-            shapes = [(label, lens) for label, lens in PREFILL_GRID if not quick or label in ("1x512", "1x8192",
-                                                                                                "16x512")]
-        else:
-            shapes = [(f"{b}x{c}", (b, c)) for b, c in decode_grid(quick)]
-        for label, arg in shapes:
-            if phase == "decode":
-                batch, ctx = arg
-                if timing.decode_bytes(spec, batch, ctx) > MAX_KV_BYTES:
-                    continue
-                load = timing.make_decode_workload(spec, device, label, batch, ctx)
-                work = timing.decode_bytes(spec, batch, ctx)
-            else:
-                load = timing.make_prefill_workload(spec, device, label, arg)
-                work = timing.prefill_flops(spec, arg)
+        cands = {n: backends.get(n) for n in runnable}
+        for label, key, shape, work in shapes(spec, phase, quick):
             for mode in modes:
-                row = []
-                for name in runnable:
-                    try:
-                        t = time_cell(backends.get(name), spec, phase, load, mode, device)
-                        row.append(Cell(spec.to_dict(), phase, label, mode, name, t * 1e6, work / t / 1e12))
-                    except Exception as exc:
-                        log.warning("%s %s %s (%s): %s", name, phase, label, mode, exc)
-                        row.append(Cell(spec.to_dict(), phase, label, mode, name, None, None,
-                                        error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                timed = timing.time_bucket(cands, spec, phase, shape, device, mode, timing.REPS)
+                row = [Cell(spec.to_dict(), phase, label, mode, n, timed["us"].get(n),
+                            work / timed["us"][n] / 1e6 if n in timed["us"] else None,
+                            error=timed["errors"].get(n, ""), spread=timed["spread"].get(n)) for n in runnable]
                 best = min((c.us for c in row if c.us), default=None)
                 for c in row:
                     if c.us and best:
@@ -133,28 +135,76 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
                         if phase == "decode":
                             c.vs_copy, c.vs_read = c.rate / probe["copy_tbps"], c.rate / probe["read_tbps"]
                 cells.extend(row)
+                if best:
+                    groups.append((phase, mode, label, key, row, runnable))
                 progress(f"{spec.num_q_heads}/{spec.num_kv_heads} d{spec.head_dim} {phase} {label} {mode}: " +
                          ", ".join(f"{c.backend} {c.us:.1f}us" if c.us else f"{c.backend} error" for c in row))
-            del load
             torch.cuda.empty_cache()
-    return cells, checks
+    return cells, checks, groups
 
 
-def markdown(cells: list[Cell], probe: dict, selections: dict, header: str) -> str:
+def compare(spec: AttentionSpec, phase: str, mode: str, label: str, key: tuple, row: list[Cell],
+            runnable: list[str], sel) -> dict:
+    """One cell's comparison: the fastest backend and each strategy's choice with its time over the fastest."""
+    by_name = {c.backend: c for c in row if c.us}
+    fastest = min(by_name.values(), key=lambda c: c.us)
+    out = {"spec": f"{spec.num_q_heads}/{spec.num_kv_heads}", "phase": phase, "mode": mode, "shape": label,
+           "fastest": fastest.backend, "fastest_us": fastest.us}
+    picks = {"static": static_choice(runnable)}
+    if sel is not None:
+        if phase == "prefill":
+            picks["selected"] = sel.prefill_backend_for(*key)
+        else:
+            picks["selected"] = sel.decode_backend_for(*key)
+        picks["one_backend"] = sel.prefill if phase == "prefill" else sel.decode
+    for strategy, name in picks.items():
+        cell = by_name.get(name)
+        out[strategy] = name
+        out[f"{strategy}_ratio"] = cell.vs_best if cell else None
+    return out
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per (spec, phase, mode) and strategy: cells within the tie band of the fastest, geometric mean, worst."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["spec"], r["phase"], r["mode"]), []).append(r)
+    out = []
+    for (spec, phase, mode), group in groups.items():
+        for strategy in ("selected", "one_backend", "static"):
+            ratios = [r.get(f"{strategy}_ratio") for r in group if r.get(strategy)]
+            ratios = [x for x in ratios if x is not None]
+            if not ratios:
+                continue
+            out.append({"spec": spec, "phase": phase, "mode": mode, "strategy": strategy, "cells": len(group),
+                        "timed": len(ratios), "within_tie": sum(x <= 1 + TIE for x in ratios),
+                        "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)), "worst": max(ratios)})
+    return out
+
+
+def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dict], header: str) -> str:
     lines = [header, "", f"Bandwidth probes in this run: copy {probe['copy_tbps']:.2f} TB/s (read + write), "
-             f"read-only {probe['read_tbps']:.2f} TB/s.", ""]
+             f"read-only {probe['read_tbps']:.2f} TB/s.", "",
+             "## Selection vs the fastest backend per cell", "",
+             "selected: the dispatch table's choice for the cell; one backend: the selection's headline backend for "
+             "every shape; static: FA3 > FlashInfer > Triton (LightLLM). Within 3%: cells at most 1.03x the fastest.",
+             "", "| spec | phase | mode | strategy | within 3% | geomean | worst |", "|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['spec']} | {s['phase']} | {s['mode']} | {s['strategy']} | {s['within_tie']}/{s['timed']} "
+                     f"| {s['geomean']:.3f}x | {s['worst']:.2f}x |")
+    lines.append("")
     groups: dict = {}
     for c in cells:
         groups.setdefault((json.dumps(c.spec, sort_keys=True), c.phase, c.mode), []).append(c)
     for (spec_json, phase, mode), group in groups.items():
         spec = json.loads(spec_json)
         names = list(dict.fromkeys(c.backend for c in group))
-        sel = selections.get((spec_json, mode), {}).get(phase)
         unit = "TFLOP/s" if phase == "prefill" else "TB/s"
         lines += [f"### {phase}, {mode}: {spec['num_q_heads']}/{spec['num_kv_heads']} heads, d{spec['head_dim']}, "
-                  f"{spec['dtype']}, page {spec['page_size']}" + (f"; selected: **{sel}**" if sel else ""), "",
-                  "| shape | " + " | ".join(names) + " | fastest |" + (" selected / fastest |" if sel else ""),
-                  "|---" * (len(names) + 2 + bool(sel)) + "|"]
+                  f"{spec['dtype']}, page {spec['page_size']}", "",
+                  "| shape | " + " | ".join(names) + " | fastest | selected | one backend | static |",
+                  "|---" * (len(names) + 5) + "|"]
+        sname = f"{spec['num_q_heads']}/{spec['num_kv_heads']}"
         for shape in dict.fromkeys(c.shape for c in group):
             row = {c.backend: c for c in group if c.shape == shape}
             cols = []
@@ -164,15 +214,22 @@ def markdown(cells: list[Cell], probe: dict, selections: dict, header: str) -> s
                     cols.append("error" if c is not None else "")
                     continue
                 extra = f", {c.vs_read:.0%} of read probe" if phase == "decode" else ""
-                cols.append(f"{c.us:.1f} us, {c.rate:.2f} {unit} ({c.vs_best:.2f}x{extra})")
-            timed = [c for c in row.values() if c.us]
-            fastest = min(timed, key=lambda c: c.us).backend if timed else ""
-            tail = ""
-            if sel:
-                tail = f" {row[sel].vs_best:.2f}x |" if sel in row and row[sel].us else " n/a |"
-            lines.append(f"| {shape} | " + " | ".join(cols) + f" | {fastest} |" + tail)
+                cols.append(f"{c.us:.1f} us ±{(c.spread or 0) * 50:.0f}%, {c.rate:.2f} {unit} ({c.vs_best:.2f}x"
+                            f"{extra})")
+            cmp = next((r for r in rows if (r["spec"], r["phase"], r["mode"], r["shape"]) ==
+                        (sname, phase, mode, shape)), {})
+            tail = [_pick(cmp, s) for s in ("selected", "one_backend", "static")]
+            lines.append(f"| {shape} | " + " | ".join(cols) + f" | {cmp.get('fastest', '')} | " + " | ".join(tail)
+                         + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _pick(row: dict, strategy: str) -> str:
+    name, ratio = row.get(strategy), row.get(f"{strategy}_ratio")
+    if not name:
+        return ""
+    return f"{name} {ratio:.2f}x" if ratio else f"{name} (no time)"
 
 
 def plot(cells: list[Cell], path: Path) -> None:
@@ -181,23 +238,26 @@ def plot(cells: list[Cell], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    main = [c for c in cells if c.spec["head_dim"] == 128 and c.spec["num_kv_heads"] == 8 and c.us]
-    modes = sorted({c.mode for c in main})
+    first = cells[0].spec if cells else None
+    main = [c for c in cells if c.spec == first and c.us]
+    modes = sorted({c.mode for c in main}) or ["eager"]
     fig, axes = plt.subplots(2, len(modes), figsize=(8 * len(modes), 9), squeeze=False)
     for j, mode in enumerate(modes):
         for i, phase in enumerate(("prefill", "decode")):
             ax = axes[i][j]
             sub = [c for c in main if c.phase == phase and c.mode == mode]
-            shapes = list(dict.fromkeys(c.shape for c in sub))
+            labels = list(dict.fromkeys(c.shape for c in sub))
             names = list(dict.fromkeys(c.backend for c in sub))
             width = 0.8 / max(1, len(names))
             for k, name in enumerate(names):
-                ys = [next((c.rate for c in sub if c.shape == s and c.backend == name), 0) for s in shapes]
-                ax.bar([x + k * width for x in range(len(shapes))], ys, width, label=name)
-            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=45, ha="right",
+                ys = [next((c.rate for c in sub if c.shape == s and c.backend == name), 0) for s in labels]
+                ax.bar([x + k * width for x in range(len(labels))], ys, width, label=name)
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=45, ha="right",
                           fontsize=8)
             ax.set_ylabel("TFLOP/s" if phase == "prefill" else "TB/s (KV read)")
-            ax.set_title(f"{phase}, {mode} (32/8 heads, d128, bf16, page 16)")
+            if first:
+                ax.set_title(f"{phase}, {mode} ({first['num_q_heads']}/{first['num_kv_heads']} heads, "
+                             f"d{first['head_dim']}, {first['dtype']}, page {first['page_size']})")
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -219,44 +279,53 @@ def run_bench(args: argparse.Namespace, out: Console) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     probe = probes(device)
     log.info("probes: copy %.2f TB/s, read %.2f TB/s", probe["copy_tbps"], probe["read_tbps"])
-    cells, checks, selections = [], {}, {}
+    cells, checks, rows, selections = [], {}, [], []
     t0 = time.perf_counter()
     for spec in grid_specs(args, base):
-        spec_cells, spec_checks = run_grid(spec, names, modes, args.quick, device, probe, log.info)
+        # the grid first: its in-process checks build any JIT kernels, so the selections below time a cold
+        # selection without JIT builds (with a fresh ATTNSEL_CACHE_DIR)
+        spec_cells, spec_checks, groups = run_grid(spec, names, modes, args.quick, device, probe, log.info)
         cells += spec_cells
         checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
+        choices = {}
         for mode in modes:
+            t_sel = time.perf_counter()
             try:
-                sel = select(spec, mode=mode, device=str(device))
-                selections[(json.dumps(spec.to_dict(), sort_keys=True), mode)] = {"prefill": sel.prefill,
-                                                                                   "decode": sel.decode}
+                choices[mode] = select(spec, mode=mode, device=str(device))
             except Exception as exc:
-                log.warning("selection for %s (%s) failed: %s", spec, mode, exc)
+                log.warning("selection for %s (%s) failed: %s", spec.describe(), mode, exc)
+                continue
+            sel = choices[mode]
+            selections.append({"spec": spec.to_dict(), "mode": mode, "prefill": sel.prefill, "decode": sel.decode,
+                               "cache": sel.cache, "wall_s": time.perf_counter() - t_sel, "stats": sel.stats,
+                               "dispatch": {p: t.to_json() if t else None for p, t in sel.dispatch.items()}})
+            log.info("selection (%s, %s, cache %s) in %.1f s: %s", spec.describe(), mode, sel.cache,
+                     time.perf_counter() - t_sel, sel.summary())
+        rows += [compare(spec, phase, mode, label, key, row, runnable, choices.get(mode))
+                 for phase, mode, label, key, row, runnable in groups]
+    summary = summarise(rows)
     props = torch.cuda.get_device_properties(device)
-    header = (f"# attnsel bench on {props.name} ({time.strftime('%Y-%m-%d')}), torch {torch.__version__}; "
-              f"times are medians of CUDA-event timings; ratios are within this run")
-    (out_dir / "bench.md").write_text(markdown(cells, probe, selections, header))
+    header = (f"# attnsel bench on {props.name} ({time.strftime('%Y-%m-%d')}), torch {torch.__version__}; times are "
+              f"medians of {timing.REPS} interleaved CUDA-event samples per cell (inputs rotated to read from HBM); "
+              "ratios are within this run")
+    (out_dir / "bench.md").write_text(markdown(cells, probe, rows, summary, header))
     (out_dir / "bench.json").write_text(json.dumps(
-        {"probe": probe, "checks": checks, "cells": [dataclasses.asdict(c) for c in cells],
-         "selections": [{"spec": json.loads(k[0]), "mode": k[1], **v} for k, v in selections.items()],
-         "wall_s": time.perf_counter() - t0}, indent=1))
+        {"probe": probe, "checks": checks, "cells": [dataclasses.asdict(c) for c in cells], "comparison": rows,
+         "summary": summary, "selections": selections, "wall_s": time.perf_counter() - t0}, indent=1))
     plot(cells, out_dir / "bench.png")
-    table = Table(title=f"attnsel bench ({len(cells)} timings, {time.perf_counter() - t0:.0f} s); full table in "
-                        f"{out_dir / 'bench.md'}")
-    for col in ("spec", "phase", "mode", "shape", "fastest", "runner-up (x slower)", "selected (x slower)"):
-        table.add_column(col)
-    groups: dict = {}
-    for c in cells:
-        groups.setdefault((json.dumps(c.spec, sort_keys=True), c.phase, c.mode, c.shape), []).append(c)
-    for (spec_json, phase, mode, shape), group in groups.items():
-        timed = sorted((c for c in group if c.us), key=lambda c: c.us)
-        if not timed:
-            continue
-        s = json.loads(spec_json)
-        sel = selections.get((spec_json, mode), {}).get(phase)
-        sel_cell = next((c for c in timed if c.backend == sel), None)
-        table.add_row(f"{s['num_q_heads']}/{s['num_kv_heads']} d{s['head_dim']}", phase, mode, shape,
-                      timed[0].backend, f"{timed[1].backend} {timed[1].vs_best:.2f}x" if len(timed) > 1 else "",
-                      f"{sel} {sel_cell.vs_best:.2f}x" if sel_cell else "")
+    table = Table(title=f"attnsel bench ({len(cells)} timings, {time.perf_counter() - t0:.0f} s); time over the "
+                        f"cell's fastest; full table in {out_dir / 'bench.md'}", title_justify="left")
+    for col in ("spec", "phase", "mode", "shape", "fastest", "selected", "one backend", "static"):
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
+    for r in rows:
+        table.add_row(r["spec"], r["phase"], r["mode"], r["shape"], r["fastest"],
+                      *(_pick(r, s) for s in ("selected", "one_backend", "static")))
     out.print(table)
+    totals = Table(title="within 3% of the fastest / geometric mean / worst", title_justify="left")
+    for col in ("spec", "phase", "mode", "strategy", "within 3%", "geomean", "worst"):
+        totals.add_column(col, no_wrap=True)
+    for s in summary:
+        totals.add_row(s["spec"], s["phase"], s["mode"], s["strategy"], f"{s['within_tie']}/{s['timed']}",
+                       f"{s['geomean']:.3f}x", f"{s['worst']:.2f}x")
+    out.print(totals)
     return 0

@@ -9,9 +9,10 @@ import os
 import re
 import sys
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.logging import RichHandler
 from rich.table import Table
+from rich.text import Text
 
 from . import backends
 from .backends import UnknownBackendError
@@ -109,21 +110,121 @@ def _fmt(value, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
-def report_table(sel: Selection) -> Table:
-    table = Table(title=f"attnsel on {sel.device.get('gpu') or 'CPU'}: {sel.spec.describe()}")
-    for col in ("phase", "backend", "status", "max err", "tolerance", "valid. s", f"{sel.mode} score us",
-                "vs best", "reason"):
-        table.add_column(col, overflow="fold")
-    styles = {"selected": "bold green", "valid": "green", "rejected": "red", "unavailable": "yellow"}
+WIDE = 120  # from this terminal width on, the candidates table shows every column
+STYLES = {"selected": "bold green", "valid": "green", "rejected": "red", "unavailable": "yellow"}
+
+
+def one_line(reason: str, limit: int = 160) -> str:
+    """A reason's one-line summary for a table cell: its first line (a stack trace's last line names the error);
+    the full text stays in --json and the log."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    text = lines[0]
+    if len(lines) > 1:
+        text += f" (+{len(lines) - 1} lines: --json)"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _time_note(sel: Selection) -> str:
+    return (f"{sel.mode} us: time per call, geometric mean over the phase's timed buckets (each the median of "
+            "interleaved samples, inputs read from HBM); vs best: over the fastest candidate's; check s: validation "
+            "wall time. Dispatch tables: us/call of the bucket's backend, spread (max - min) / median of its "
+            "samples, x: the runner-up's time over it.")
+
+
+def _cut(text: str, room: int) -> str:
+    return text if len(text) <= room else text[:max(1, room - 1)] + "…"
+
+
+def report_table(sel: Selection, width: int = 80) -> Group:
+    """Every backend x phase: status, error vs tolerance, time, one-line reason; fits ``width`` columns and no cell
+    wraps. From WIDE columns on: one table with every column, the reason cut to the room left. Narrower: one table
+    per phase without the check time, each reason on a line of its own below it. Full reasons: --json, the log."""
+    wide = width >= WIDE
+    head = Text(f"attnsel on {sel.device.get('gpu') or 'CPU'}: {sel.spec.describe()}", style="bold")
+    cols = (["phase"] if wide else []) + ["backend", "status"]
+    cols += (["max err", "tolerance", "check s"] if wide else ["err/tol"]) + [f"{sel.mode} us", "vs best"]
+    parts: list = [head]
+    rows_by_phase = {}
     for phase, cands in sel.candidates.items():
         scores = [c.score_us for c in cands if c.score_us]
         best = min(scores) if scores else None
+        rows = []
         for c in cands:
             ratio = f"{c.score_us / best:.2f}x" if best and c.score_us else ""
-            table.add_row(phase, c.name, f"[{styles[c.status]}]{c.status}[/]", _fmt(c.max_abs_err, ".2e"),
-                          _fmt(c.tolerance, ".2e"), _fmt(c.time_s, ".2f"), _fmt(c.score_us, ".1f"), ratio,
-                          c.reason + (" (cached)" if c.from_cache and c.status in ("rejected",) else ""))
-    return table
+            err = ([_fmt(c.max_abs_err, ".1e"), _fmt(c.tolerance, ".1e"), _fmt(c.time_s, ".1f")] if wide else
+                   [f"{c.max_abs_err:.0e}/{c.tolerance:.0e}" if c.max_abs_err is not None and c.tolerance else ""])
+            reason = one_line(c.reason, limit=10_000) + (" (cached)" if c.from_cache and c.status == "rejected" else "")
+            rows.append(([phase] if wide else []) + [c.name, c.status, *err, _fmt(c.score_us, ".1f"), ratio, reason])
+        rows_by_phase[phase] = rows
+    all_rows = [r for rows in rows_by_phase.values() for r in rows]
+    widths = [max([len(col)] + [len(r[i]) for r in all_rows]) for i, col in enumerate(cols)]
+    status_col = cols.index("status")
+
+    def table(rows: list, title: str | None, with_reason: bool) -> Table:
+        out = Table(title=title, title_justify="left")
+        for col, w in zip(cols, widths):
+            out.add_column(col, no_wrap=True, min_width=w)
+        room = max(12, width - sum(w + 3 for w in widths) - 4)  # 3 per column (padding, border), 4: the last
+        if with_reason:
+            out.add_column("reason", no_wrap=True, overflow="ellipsis", max_width=room)
+        for r in rows:
+            cells = list(r[:len(cols)])
+            cells[status_col] = f"[{STYLES[r[status_col]]}]{r[status_col]}[/]"
+            out.add_row(*cells, *([_cut(r[-1], room)] if with_reason else []))
+        return out
+
+    if wide:
+        parts.append(table(all_rows, None, True))
+    else:
+        for phase, rows in rows_by_phase.items():
+            parts.append(table(rows, f"{phase} candidates", False))
+            for r in rows:
+                if r[-1]:
+                    parts.append(Text(_cut(f"  {r[0]}: {r[-1]}", width), no_wrap=True, overflow="ellipsis"))
+    return Group(*parts)
+
+
+def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
+    """The phase's dispatch table: per bucket the backend, its time and spread, the runner-up and the ratio. Fits
+    ``width`` columns: long bucket labels and backend names are cut (in full in --json)."""
+    table = sel.dispatch.get(phase)
+    if table is None:
+        return None
+    axes = ", ".join(table.axes)
+    skipped = f"; {len(table.skipped)} bucket(s) skipped for the time budget" if table.skipped else ""
+    wins = ", ".join(f"{n} {k}" for n, k in sorted(table.wins().items(), key=lambda kv: -kv[1]))
+    out = Table(title=f"{phase} dispatch, {sel.mode}: buckets over {axes}; wins: {wins}{skipped}",
+                title_justify="left")
+    rows = []
+    for b in table.buckets:
+        spread = b.spread.get(b.backend)
+        rows.append([b.label, b.backend, f"{b.us:.1f}", f"{spread:.0%}" if spread is not None else "",
+                     f"{b.ratio:.2f}x" if b.ratio else "", b.runner_up or ""])
+    heads = ["bucket", "backend", "us/call", "spread", "x", "runner-up"]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(heads)]
+    room = width - 3 * len(heads) - 1 - sum(widths[2:5])  # for bucket, backend and runner-up
+    if sum(widths[i] for i in (0, 1, 5)) > room:
+        name_w = max(10, min(max(widths[1], widths[5]), (room - min(widths[0], 14)) // 2))
+        widths[1] = widths[5] = min(name_w, max(widths[1], widths[5]))
+        widths[0] = max(8, room - widths[1] - widths[5])
+    for i, h in enumerate(heads):
+        out.add_column(h, no_wrap=True, justify="right" if 2 <= i <= 4 else "left", width=widths[i])
+    for r in rows:
+        out.add_row(*(_cut(cell, widths[i]) for i, cell in enumerate(r)))
+    return out
+
+
+def choice_line(sel: Selection, phase: str) -> str:
+    """'prefill: fa3 (auto)'; with a dispatch table, the backends it uses; or why the phase cannot be served."""
+    choice = sel.phases[phase]
+    if not choice.backend:
+        return f"{phase}: cannot be served: {one_line(choice.error)}"
+    line = f"{phase}: {choice.backend} ({choice.source})"
+    if choice.table and len(choice.table.wins()) > 1:
+        line += f", dispatch over {len(choice.table.buckets)} buckets ({len(choice.table.wins())} backends)"
+    return line
 
 
 def report_json(sel: Selection) -> dict:
@@ -133,6 +234,9 @@ def report_json(sel: Selection) -> dict:
             {k: c[k] for k in ("name", "status", "reason", "max_abs_err", "tolerance", "time_s", "score_us",
                                "timings_us", "from_cache")} for c in out[phase]["candidates"]]
     out["device"] = {**out["device"], "flashinfer_jit_dir": _flashinfer_jit_dir()}
+    out["time_units"] = {"score_us": f"{sel.mode} us per call, geometric mean over the phase's timed buckets",
+                         "dispatch.buckets.us": f"{sel.mode} us per call, median of interleaved samples",
+                         "time_s": "validation wall time in seconds"}
     return out
 
 
@@ -142,29 +246,52 @@ def _flashinfer_jit_dir() -> str | None:
     return jit_cache_dir() if importlib.util.find_spec("flashinfer") else None
 
 
+def _selection_or_partial(args: argparse.Namespace) -> tuple[Selection | None, SelectionError | None]:
+    try:
+        return run_selection(args), None
+    except SelectionError as exc:
+        if exc.selection is None:
+            raise
+        return exc.selection, exc
+
+
 def cmd_report(args: argparse.Namespace, out: Console) -> int:
-    sel = run_selection(args)
+    """The report; when a phase cannot be served, what was found is still printed, then the error (exit 3)."""
+    sel, failure = _selection_or_partial(args)
+    for phase, cands in sel.candidates.items():  # long reasons (stack tails) in full, once, in the log
+        for c in cands:
+            if "\n" in c.reason.strip():
+                log.info("%s %s, full reason:\n%s", c.name, phase, c.reason.strip())
     if args.json:
         print(json.dumps(report_json(sel), indent=2))
-        return 0
-    out.print(report_table(sel))
-    stats = sel.stats
-    cache_where = "" if sel.cache == "off" else f" ({ResultCache(args.cache_dir).path})"
-    out.print(f"cache: {sel.cache}{cache_where}")
-    mem = f", peak GPU memory {stats['worker_peak_gpu_mem_mb']:.0f} MiB" if stats["worker_peak_gpu_mem_mb"] else ""
-    rss = f", peak RSS {stats['worker_peak_rss_mb']:.0f} MiB" if stats["worker_peak_rss_mb"] else ""
-    out.print(f"validation worker: {stats['spawns']} spawn(s), {stats['deaths']} death(s), "
-              f"{stats['worker_wall_s']:.1f} s{rss}{mem}")
-    out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}")
-    out.print(f"prefill: {sel.prefill} ({sel.prefill_source})")
-    out.print(f"decode: {sel.decode} ({sel.decode_source})")
+    else:
+        out = Console()  # fits the terminal (80 columns when not a terminal and COLUMNS is unset)
+        out.print(report_table(sel, out.width))
+        out.print(_time_note(sel), soft_wrap=False)
+        for phase in sel.phases:
+            table = dispatch_table(sel, phase, out.width)
+            if table is not None:
+                out.print(table)
+        stats = sel.stats
+        cache_where = "" if sel.cache == "off" else f" ({ResultCache(args.cache_dir).path})"
+        out.print(f"cache: {sel.cache}{cache_where}", highlight=False)
+        mem = f", peak GPU memory {stats['worker_peak_gpu_mem_mb']:.0f} MiB" if stats["worker_peak_gpu_mem_mb"] else ""
+        rss = f", peak RSS {stats['worker_peak_rss_mb']:.0f} MiB" if stats["worker_peak_rss_mb"] else ""
+        timed = f", timing {stats['timing_wall_s']:.1f} s" if stats.get("timing_wall_s") else ""
+        out.print(f"validation worker: {stats['spawns']} spawn(s), {stats['deaths']} death(s), "
+                  f"{stats['worker_wall_s']:.1f} s{timed}{rss}{mem}", highlight=False)
+        out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}", highlight=False)
+        for phase in sel.phases:
+            out.print(choice_line(sel, phase), highlight=False, markup=False, soft_wrap=True)
+    if failure is not None:
+        raise failure  # main() prints the one-line error and exits 3
     return 0
 
 
 def cmd_select(args: argparse.Namespace, out: Console) -> int:
     sel = run_selection(args)
-    print(f"prefill: {sel.prefill} ({sel.prefill_source})")
-    print(f"decode: {sel.decode} ({sel.decode_source})")
+    for phase in sel.phases:
+        print(choice_line(sel, phase))
     return 0
 
 

@@ -1,8 +1,12 @@
 """Selection: explicit or automatic backend per phase, validated in a worker, ranked by a policy, cached."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import hashlib
+import json
 import logging
+import math
 from typing import Literal
 
 import torch
@@ -13,7 +17,7 @@ from .cache import ResultCache, entry_key
 from .device import fingerprint
 from .dist import agree
 from .spec import AttentionSpec
-from .validate import runner
+from .validate import runner, timing
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +32,15 @@ DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
 
 
 class SelectionError(RuntimeError):
-    """No backend can serve a phase, or an explicitly requested backend is unavailable or failed validation."""
+    """No backend can serve a phase, or an explicitly requested backend is unavailable or failed validation.
+    ``selection``: what was found (every candidate, the phases that can be served), for reports; may be None."""
+
+    def __init__(self, message: str, selection: "Selection | None" = None):
+        super().__init__(message)
+        self.selection = selection
+
+    def __reduce__(self):  # keeps the selection when rank 0 broadcasts the error
+        return (type(self), (str(self), self.selection))
 
 
 Status = Literal["selected", "valid", "rejected", "unavailable"]
@@ -54,20 +66,292 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One timed bucket of a dispatch table: its representative shape (``key``, on the table's axes), the backend
+    chosen there, its time per call, and the runner-up. ``times_us``/``spread`` hold every timed candidate."""
+
+    key: tuple[int, ...]
+    label: str
+    backend: str
+    us: float
+    runner_up: str | None
+    runner_up_us: float | None
+    times_us: dict[str, float]
+    spread: dict[str, float]
+
+    @property
+    def ratio(self) -> float | None:
+        """Runner-up time over the chosen backend's time (>= 1 unless the tie band let priority decide)."""
+        return self.runner_up_us / self.us if self.runner_up_us and self.us else None
+
+    def to_json(self) -> dict:
+        return {"key": list(self.key), "label": self.label, "backend": self.backend, "us": self.us,
+                "runner_up": self.runner_up, "runner_up_us": self.runner_up_us, "ratio": self.ratio,
+                "times_us": self.times_us, "spread": self.spread}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Bucket":
+        return cls(tuple(data["key"]), data["label"], data["backend"], data["us"], data.get("runner_up"),
+                   data.get("runner_up_us"), dict(data.get("times_us", {})), dict(data.get("spread", {})))
+
+
+def _log2(x: float) -> float:
+    return math.log2(max(x, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchTable:
+    """Shape bucket -> backend for one phase, from timings (policy "measure" with an automatic choice).
+
+    Axes: prefill ("num_seqs", "total_tokens", "longest"); decode ("batch", "context") in eager mode, ("batch",) in
+    graph mode (an engine captures one graph per batch size and replays it at every context length, so the backend
+    there is the one best over the timed context range: least geometric-mean time). A shape is bucketed per axis on
+    a log scale: the boundaries lie at the geometric midpoints of neighbouring timed values and shapes beyond the
+    ends are clamped; a cell of that grid without a timed representative (e.g. capped sizes) takes the one nearest
+    in log space. ``default`` is the phase's headline backend: the best single backend over all buckets.
+    """
+
+    phase: str
+    mode: str
+    axes: tuple[str, ...]
+    buckets: tuple[Bucket, ...]
+    default: str
+    grid_version: int
+    skipped: tuple[str, ...] = ()
+    wall_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.buckets:
+            raise ValueError(f"a {self.phase} dispatch table needs at least one bucket")
+        values = [sorted({b.key[i] for b in self.buckets}) for i in range(len(self.axes))]
+        bounds = [[math.sqrt(a * b) for a, b in zip(v, v[1:])] for v in values]
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_bounds", bounds)
+        object.__setattr__(self, "_cells", {})
+
+    def cell(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        """The per-axis bucket index of a shape (log-spaced boundaries, clamped at both ends)."""
+        return tuple(bisect.bisect_right(b, x) for b, x in zip(self._bounds, key))
+
+    def bucket_for(self, key: tuple[int, ...]) -> Bucket:
+        """The timed bucket that serves a shape given on the table's axes."""
+        idx = self.cell(key)
+        hit = self._cells.get(idx)
+        if hit is None:
+            centre = [_log2(v[i]) for v, i in zip(self._values, idx)]
+            hit = min(self.buckets, key=lambda b: sum((_log2(x) - c) ** 2 for x, c in zip(b.key, centre)))
+            self._cells[idx] = hit
+        return hit
+
+    def backend_for(self, key: tuple[int, ...]) -> str:
+        return self.bucket_for(key).backend
+
+    def wins(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for b in self.buckets:
+            counts[b.backend] = counts.get(b.backend, 0) + 1
+        return counts
+
+    def to_json(self) -> dict:
+        return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
+                "grid_version": self.grid_version, "skipped": list(self.skipped), "wall_s": self.wall_s,
+                "buckets": [b.to_json() for b in self.buckets]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DispatchTable":
+        return cls(data["phase"], data["mode"], tuple(data["axes"]),
+                   tuple(Bucket.from_json(b) for b in data["buckets"]),
+                   data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"))
+
+
+def pick(times: dict[str, float], order: list[str]) -> str:
+    """The fastest of ``times`` (name -> us); within TIE of the fastest, the earliest in ``order`` wins."""
+    best = min(times.values())
+    return next(n for n in order if n in times and times[n] <= best * (1 + TIE))
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _make_bucket(key: tuple, label: str, times: dict[str, float], spread: dict[str, float], order: list[str]) -> Bucket:
+    chosen = pick(times, order)
+    others = sorted((t, n) for n, t in times.items() if n != chosen)
+    return Bucket(tuple(key), label, chosen, times[chosen], others[0][1] if others else None,
+                  others[0][0] if others else None, dict(times), dict(spread))
+
+
+def build_table(measured: dict, order: list[str], usable: set[str] | None = None) -> DispatchTable | None:
+    """A dispatch table from ``timing.measure``'s result (or hand-made timings of the same form).
+
+    ``order``: the candidates in priority order (ties within TIE go to the earlier); ``usable``: the candidates
+    allowed to win (default: all in ``order``). Buckets where no usable candidate has a time are dropped; None when
+    nothing is left.
+    """
+    usable = set(order) if usable is None else usable
+    order = [n for n in order if n in usable]
+    phase, mode = measured["phase"], measured["mode"]
+    rows = []
+    for b in measured["buckets"]:
+        times = {n: t for n, t in b["us"].items() if n in usable and t and t > 0}
+        if times:
+            rows.append((tuple(b["key"]), b["label"], times, b.get("spread", {})))
+    if not rows:
+        return None
+    axes = tuple(measured["axes"])
+    if phase == "decode" and mode == "graph":  # one bucket per batch size, best over the context range
+        by_batch: dict[int, list] = {}
+        for key, label, times, spread in rows:
+            by_batch.setdefault(key[0], []).append((key, times, spread))
+        rows = []
+        for batch, group in sorted(by_batch.items()):
+            names = [n for n in order if all(n in times for _, times, _ in group)]
+            if not names:  # no candidate was timed at every context of this batch size
+                continue
+            ctxs = [key[1] for key, _, _ in group]
+            times = {n: _geomean([t[n] for _, t, _ in group]) for n in names}
+            spread = {n: max(s.get(n, 0.0) for _, _, s in group) for n in names}
+            rows.append(((batch,), f"batch {batch} (ctx {min(ctxs)}-{max(ctxs)})", times, spread))
+        axes = axes[:1]
+        if not rows:
+            return None
+    buckets = tuple(_make_bucket(key, label, times, spread, order) for key, label, times, spread in rows)
+    everywhere = [n for n in order if all(n in b.times_us for b in buckets)]
+    if everywhere:
+        default = pick({n: _geomean([b.times_us[n] for b in buckets]) for n in everywhere}, order)
+    else:
+        wins: dict[str, int] = {}
+        for b in buckets:
+            wins[b.backend] = wins.get(b.backend, 0) + 1
+        default = max(order, key=lambda n: (wins.get(n, 0), -order.index(n)))
+    return DispatchTable(phase, mode, axes, buckets, default, measured["grid_version"],
+                         tuple(measured.get("skipped", ())), measured.get("wall_s"))
+
+
+@dataclasses.dataclass(frozen=True)
 class PhaseChoice:
-    """What was chosen for one phase, how (auto or explicit), and every candidate considered, in priority order."""
+    """What was chosen for one phase, how (auto or explicit), every candidate considered (priority order), and the
+    dispatch table when the choice depends on the batch's shape (None: ``backend`` serves every shape)."""
 
     backend: str
     source: Source
     candidates: list[Candidate]
+    table: DispatchTable | None = None
+    error: str = ""  # why the phase cannot be served (backend is "" then)
 
     def to_json(self) -> dict:
-        return {"backend": self.backend, "source": self.source, "candidates": [c.to_dict() for c in self.candidates]}
+        return {"backend": self.backend, "source": self.source, "candidates": [c.to_dict() for c in self.candidates],
+                "dispatch": self.table.to_json() if self.table else None, "error": self.error}
+
+
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return "None" if t is None else type(t).__name__
+    dt = next((n for n, d in DTYPE_NAMES.items() if d == t.dtype), str(t.dtype).replace("torch.", ""))
+    return f"[{', '.join(map(str, t.shape))}] {dt} on {t.device}"
+
+
+def _expect(arg: str, t, shape: tuple, dtype: torch.dtype, device: int) -> ValueError:
+    dims = ", ".join("*" if d is None else str(d) for d in shape)
+    dt = next((n for n, d in DTYPE_NAMES.items() if d == dtype), str(dtype))
+    where = "cpu" if device < 0 else f"cuda:{device}"
+    return ValueError(f"{arg}: expected [{dims}] {dt} on {where}, got {_describe(t)}")
+
+
+def _check_features(spec: AttentionSpec, kwargs: dict, phase: str) -> None:
+    """The run-time feature inputs against the spec (reached only when the spec has features or kwargs are given)."""
+    unknown = set(kwargs) - {"sinks", "k_scale", "v_scale"}
+    if unknown:
+        raise TypeError(f"run() got unexpected keyword argument(s) {', '.join(sorted(unknown))}; allowed: sinks, "
+                        "k_scale, v_scale")
+    sinks = kwargs.get("sinks")
+    if spec.sinks and not (isinstance(sinks, torch.Tensor) and sinks.shape == (spec.num_q_heads,)
+                           and sinks.dtype == torch.float32):
+        raise ValueError(f"sinks: expected [{spec.num_q_heads}] fp32 (the spec has attention sinks), got "
+                         f"{_describe(sinks)}")
+    if not spec.sinks and sinks is not None:
+        raise ValueError("sinks: given, but the spec has no attention sinks (AttentionSpec(sinks=True))")
+    scaled = spec.kv_dtype is not None and phase == "decode"  # prefill takes k/v in spec.dtype either way
+    for name in ("k_scale", "v_scale"):
+        scale = kwargs.get(name)
+        if scaled and not (isinstance(scale, torch.Tensor) and scale.numel() == 1
+                                  and scale.dtype == torch.float32):
+            raise ValueError(f"{name}: expected a one-element fp32 tensor (the spec's KV cache is {spec.kv_dtype}), "
+                             f"got {_describe(scale)}")
+        if not scaled and scale is not None:
+            why = ("prefill takes k/v in the activation dtype" if spec.kv_dtype
+                   else f"the spec's KV cache is {spec.dtype}")
+            raise ValueError(f"{name}: given, but {why} (no scales)")
+
+
+def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
+                    total_k: int | None) -> RunFn:
+    """run(q, k, v, **features) with the tensors checked against the spec and plan: host metadata only, no sync.
+    ``device``: the plan's device index (-1: CPU)."""
+    hq, hk, d, dt = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.torch_dtype
+    plain = not spec.sinks
+
+    def checked(q, k, v, **kwargs):
+        try:
+            tq, q1, q2 = q.shape
+        except (AttributeError, ValueError):
+            tq = -1
+        if (tq < 0 or q1 != hq or q2 != d or q.dtype != dt or q.get_device() != device
+                or (total_q is not None and tq != total_q)):
+            raise _expect("q", q, (total_q, hq, d), dt, device)
+        try:
+            tk, k1, k2 = k.shape
+        except (AttributeError, ValueError):
+            tk = -1
+        if (tk < 0 or k1 != hk or k2 != d or k.dtype != dt or k.get_device() != device
+                or (total_k is not None and tk != total_k)):
+            raise _expect("k", k, (total_k, hk, d), dt, device)
+        if not isinstance(v, torch.Tensor) or v.shape != k.shape or v.dtype != dt or v.get_device() != device:
+            raise _expect("v", v, (tk, hk, d), dt, device)
+        if kwargs or not plain:
+            _check_features(spec, kwargs, "prefill")
+        return run(q, k, v, **kwargs)
+
+    return checked
+
+
+def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> RunFn:
+    """run(q, k_cache, v_cache, **features) with the tensors checked against the spec and plan (no sync)."""
+    hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
+    dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
+    plain = not (spec.sinks or spec.kv_dtype)
+
+    def checked(q, k_cache, v_cache, **kwargs):
+        try:
+            b, q1, q2 = q.shape
+        except (AttributeError, ValueError):
+            b = -1
+        if b != batch or q1 != hq or q2 != d or q.dtype != dt or q.get_device() != device:
+            raise _expect("q", q, (batch, hq, d), dt, device)
+        try:
+            _, p, k1, k2 = k_cache.shape
+        except (AttributeError, ValueError):
+            p = -1
+        if p != ps or k1 != hk or k2 != d or k_cache.dtype != kdt or k_cache.get_device() != device:
+            raise _expect("k_cache", k_cache, (None, ps, hk, d), kdt, device)
+        if (not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype != kdt
+                or v_cache.get_device() != device):
+            raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
+        if kwargs or not plain:
+            _check_features(spec, kwargs, "decode")
+        return run(q, k_cache, v_cache, **kwargs)
+
+    return checked
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """The chosen backend per phase and everything needed to explain the choice."""
+    """The chosen backend per phase, the dispatch table where the choice depends on the shape, and everything
+    needed to explain the choice. ``prefill``/``decode`` name each phase's headline backend: the one that serves
+    every shape when the phase has no table, else the best single backend over the table's buckets."""
 
     spec: AttentionSpec
     phases: dict[Phase, PhaseChoice]
@@ -98,6 +382,11 @@ class Selection:
         return {p: c.candidates for p, c in self.phases.items()}
 
     @property
+    def dispatch(self) -> dict[Phase, DispatchTable | None]:
+        """The dispatch table per phase (None where one backend serves every shape)."""
+        return {p: c.table for p, c in self.phases.items()}
+
+    @property
     def prefill_backend(self) -> backends.Backend:
         return backends.get(self.prefill)
 
@@ -105,21 +394,60 @@ class Selection:
     def decode_backend(self) -> backends.Backend:
         return backends.get(self.decode)
 
-    def plan_prefill(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int) -> RunFn:
-        """Plan a ragged prefill batch on the selected backend; see backends.Backend for shapes."""
-        return self.prefill_backend.plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    def prefill_backend_for(self, num_seqs: int, total_tokens: int, longest: int) -> str:
+        """The backend that serves a prefill batch of this shape."""
+        table = self.phases["prefill"].table
+        return table.backend_for((num_seqs, total_tokens, longest)) if table else self.prefill
 
-    def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
-        """Plan a paged decode batch on the selected backend; see backends.Backend for shapes."""
-        return self.decode_backend.plan_decode(self.spec, page_table, seq_lens)
+    def decode_backend_for(self, batch: int, context: int) -> str:
+        """The backend that serves a decode batch of this shape (mode "graph": the batch size alone decides)."""
+        table = self.phases["decode"].table
+        if table is None:
+            return self.decode
+        return table.backend_for((batch,) if len(table.axes) == 1 else (batch, context))
+
+    def plan_prefill(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, total_q: int | None = None, *, total_k: int | None = None) -> RunFn:
+        """Plan a ragged prefill batch on the backend its shape dispatches to; returns ``run(q, k, v)`` (shapes:
+        backends.Backend). No device sync: the bucket comes from host ints: the number of sequences
+        (``cu_seqlens_q.shape[0] - 1``), ``total_q`` (query tokens in the batch) and ``max_seqlen_q``. When
+        ``total_q`` is None it is taken as ``num_seqs * max_seqlen_q``: exact for equal lengths, an overestimate for
+        ragged batches (pass it). The run function checks q/k/v against the spec, q's token count against
+        ``total_q`` and k's against ``total_k`` when given, and raises ValueError naming the argument."""
+        n = cu_seqlens_q.shape[0] - 1
+        name = self.prefill_backend_for(n, total_q if total_q is not None else n * max_seqlen_q, max_seqlen_q)
+        run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return checked_prefill(run, self.spec, cu_seqlens_q.get_device(), total_q, total_k)
+
+    def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> RunFn:
+        """Plan a paged decode batch on the backend its shape dispatches to; returns ``run(q, k_cache, v_cache)``
+        (shapes: backends.Backend). No device sync: the bucket is (``seq_lens.shape[0]``, ``max_seq_len``); when
+        ``max_seq_len`` is None it is taken as ``page_table.shape[1] * page_size``, the longest context the page
+        table can hold (an overestimate when the table is wider than needed: pass it). In mode "graph" only the
+        batch size matters. The run function checks q and the caches against the spec and raises ValueError naming
+        the argument."""
+        batch = seq_lens.shape[0]
+        ctx = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
+        name = self.decode_backend_for(batch, ctx)
+        run = backends.get(name).plan_decode(self.spec, page_table, seq_lens)
+        return checked_decode(run, self.spec, seq_lens.get_device(), batch)
 
     def to_json(self) -> dict:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,
                 "mode": self.mode, "device": self.device, "spec": self.spec.to_dict(), "stats": self.stats}
 
     def summary(self) -> str:
-        return f"prefill: {self.prefill} ({self.prefill_source}), decode: {self.decode} ({self.decode_source})"
+        parts = []
+        for phase, choice in self.phases.items():
+            if not choice.backend:
+                parts.append(f"{phase}: cannot be served")
+                continue
+            text = f"{phase}: {choice.backend} ({choice.source})"
+            if choice.table and len(choice.table.wins()) > 1:
+                wins = ", ".join(f"{n} {k}" for n, k in choice.table.wins().items())
+                text += f", dispatch over {len(choice.table.buckets)} buckets ({wins})"
+            parts.append(text)
+        return "; ".join(parts)
 
 
 def default_device() -> str:
@@ -145,18 +473,27 @@ def _check_choice(label: str, value: str, allowed) -> None:
 def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, policy: str = "measure",
            mode: str = "eager", prefill_priority: list[str] | None = None, decode_priority: list[str] | None = None,
            timeout: float | None = None, cache_dir: str | None = None, use_cache: bool = True,
-           device: str | None = None) -> Selection:
-    """Pick a backend per phase. ``prefill``/``decode``: "auto" or a backend name (validated, never replaced).
+           device: str | None = None, budget_s: float | None = None) -> Selection:
+    """Pick the backends per phase. ``prefill``/``decode``: "auto" or a backend name (validated, never replaced).
 
-    policy "measure" times every valid candidate on workloads from the spec in ``mode`` ("eager" launches or CUDA
-    "graph" replays) and takes the fastest (within 3%: the earlier in priority order); "priority" takes the first
-    valid one. With torch.distributed initialised, rank 0 decides and every rank gets the same Selection.
-    Raises UnknownBackendError/ValueError for bad names and SelectionError when a phase cannot be served.
+    policy "measure" times every valid candidate of an automatic phase on a grid of shape buckets in ``mode``
+    ("eager" launches or CUDA "graph" replays) and keeps a dispatch table: per bucket the fastest (within 3%: the
+    earlier in priority order); ``Selection.plan_prefill``/``plan_decode`` then pick the backend from the batch's
+    shape. "priority" takes the first valid candidate for every shape; an explicit name serves every shape. In mode
+    "graph" every candidate must also be captured and replayed correctly in a CUDA graph. ``budget_s``: seconds of
+    bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 40; a tight budget gives a coarser grid).
+    With torch.distributed initialised, rank 0 decides and every rank gets the same Selection.
+    Raises UnknownBackendError/ValueError for bad names and SelectionError when a phase cannot be served (its
+    ``selection`` attribute holds what was found).
     """
     _check_choice("policy", policy, POLICIES)
     _check_choice("mode", mode, MODES)
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if budget_s is None:
+        budget_s = timing.budget_from_env()
+    elif not budget_s > 0:
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
     device = device or default_device()
     try:
         kind = torch.device(device).type
@@ -170,17 +507,32 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
             backends.get(choice)
     orders = {"prefill": priority_list("prefill", prefill_priority),
               "decode": priority_list("decode", decode_priority)}
-    return agree(lambda: _select(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device))
+    return agree(lambda: _select(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
+                                 budget_s))
+
+
+def table_key(fp: dict, spec: AttentionSpec, phase: str, mode: str, candidates: list[tuple[str, str | None]]) -> str:
+    """Cache key of a phase's dispatch table: device, spec, phase, mode, the timed candidates with their versions (in
+    priority order) and the bucket grid's version."""
+    blob = json.dumps({"kind": "dispatch", "device": fp, "spec": spec.to_dict(), "phase": phase, "mode": mode,
+                       "candidates": candidates, "grid_version": timing.GRID_VERSION}, sort_keys=True)
+    return "dispatch-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _usable(entry: dict, mode: str) -> bool:
+    """A validation entry that lets the candidate serve in this mode (graph: also captured and replayed)."""
+    return entry["status"] == "valid" and (mode != "graph" or entry.get("graph_capture") == "ok")
 
 
 def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode: str, timeout: float | None,
-            cache_dir: str | None, use_cache: bool, device: str) -> Selection:
+            cache_dir: str | None, use_cache: bool, device: str, budget_s: float) -> Selection:
     fp = fingerprint(device)
     names = {p: [choices[p]] if choices[p] != AUTO else orders[p] for p in PHASES}
     if mode == "graph" and not device.startswith("cuda"):
         raise ValueError("mode 'graph' needs a CUDA device (CUDA graphs); use mode 'eager' on the CPU")
     found: dict[tuple[str, str], Candidate] = {}
     keys: dict[tuple[str, str], str] = {}
+    versions: dict[tuple[str, str], str | None] = {}
     for phase in PHASES:
         for name in names[phase]:
             backend = backends.get(name)
@@ -192,61 +544,160 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
             if reason:
                 found[(name, phase)] = Candidate(name, "unavailable", reason)
             else:
-                keys[(name, phase)] = entry_key(fp, spec.to_dict(), name, backends.version_of(backend), phase)
-    # Timing is needed where an automatic choice has more than one runnable candidate.
-    timed = {p for p in PHASES if policy == "measure" and choices[p] == AUTO
-             and sum((n, p) in keys for n in names[p]) > 1}
+                versions[(name, phase)] = backends.version_of(backend)
+                keys[(name, phase)] = entry_key(fp, spec.to_dict(), name, versions[(name, phase)], phase)
+    # A dispatch table is timed where an automatic choice has more than one runnable candidate.
+    timed = [p for p in PHASES if policy == "measure" and choices[p] == AUTO
+             and sum((n, p) in keys for n in names[p]) > 1]
     cache = ResultCache(cache_dir) if use_cache else None
     cached = cache.get_many(list(keys.values())) if cache else {}
+    todo = [t for t in keys if keys[t] not in cached
+            or (mode == "graph" and cached[keys[t]]["status"] == "valid" and "graph_capture" not in cached[keys[t]])]
 
-    def usable(task) -> bool:
-        entry = cached.get(keys[task])
-        if entry is None:
-            return False
-        return task[1] not in timed or entry["status"] != "valid" or mode in entry.get("timings", {})
+    def valid_names(phase: str, entries: dict) -> list[str]:
+        return [n for n in names[phase] if (n, phase) in keys and keys[(n, phase)] in entries
+                and _usable(entries[keys[(n, phase)]], mode)]
 
-    todo = [task for task in keys if not usable(task)]
+    measured: dict[str, dict] = {}
+    tkeys: dict[str, str] = {}
+    to_time = []
+    for phase in timed:
+        if any(t[1] == phase for t in todo):
+            to_time.append(phase)
+            continue
+        valid = valid_names(phase, cached)
+        if len(valid) < 2:
+            continue
+        tkeys[phase] = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid])
+        hit = cache.get_many([tkeys[phase]]).get(tkeys[phase]) if cache else None
+        if hit and hit.get("measured"):
+            measured[phase] = hit["measured"]
+        else:
+            to_time.append(phase)
     stats = {"spawns": 0, "deaths": 0, "worker_wall_s": 0.0, "worker_peak_rss_mb": None,
-             "worker_peak_gpu_mem_mb": None}
+             "worker_peak_gpu_mem_mb": None, "timing_wall_s": 0.0}
     fresh: dict[str, dict] = {}
-    if todo:
-        results, run_stats = runner.run_tasks(spec, todo, device=device, timeout=timeout, measure=bool(timed),
+    timing_errors: dict[str, str] = {}
+
+    def work(tasks: list, job: dict) -> dict:
+        results, run_stats = runner.run_tasks(spec, tasks, device=device, timeout=timeout, measure=job or False,
                                               mode=mode)
-        stats.update(spawns=run_stats.spawns, deaths=run_stats.deaths, worker_wall_s=run_stats.wall_s,
-                     worker_peak_rss_mb=run_stats.peak_rss_mb, worker_peak_gpu_mem_mb=run_stats.peak_gpu_mem_mb)
+        stats["spawns"] += run_stats.spawns
+        stats["deaths"] += run_stats.deaths
+        stats["worker_wall_s"] += run_stats.wall_s
+        for field, value in (("worker_peak_rss_mb", run_stats.peak_rss_mb),
+                             ("worker_peak_gpu_mem_mb", run_stats.peak_gpu_mem_mb)):
+            if value is not None:
+                stats[field] = max(stats[field] or 0, value)
+        for (name, phase), result in results.items():
+            if name != timing.TIMING_TASK:
+                continue
+            if result.get("status") == "timed":
+                measured[phase] = result["measured"]
+                stats["timing_wall_s"] += result["measured"].get("wall_s") or 0.0
+            else:
+                timing_errors[phase] = result.get("reason") or "timing produced no result"
+                log.warning("timing %s failed: %s", phase, timing_errors[phase])
+        return results
+
+    if todo or to_time:
+        job = {p: {"backends": [n for n in names[p] if (n, p) in keys],
+                   "vouched": [n for n in valid_names(p, cached) if (n, p) not in todo],
+                   "budget_s": budget_s / len(to_time)} for p in to_time}
+        results = work(todo + [(timing.TIMING_TASK, p) for p in to_time], job)
         for task, result in results.items():
+            if task[0] == timing.TIMING_TASK:
+                continue
             entry = {k: v for k, v in result.items() if k not in ("timings_us", "score_us", "timing_error")}
             entry.update(backend=task[0], phase=task[1], spec=spec.to_dict(), device=fp.get("gpu") or "cpu")
-            if "score_us" in result:
-                entry["timings"] = {mode: {"timings_us": result["timings_us"], "score_us": result["score_us"]}}
-            elif "timing_error" in result:
-                entry["timings"] = {mode: {"error": result["timing_error"]}}
             fresh[keys[task]] = entry
         if cache:  # transient rejections (timeouts) are reported, not remembered
             cache.put_many({k: e for k, e in fresh.items() if not e.get("transient")})
+    entries = {**cached, **fresh}
     for task, key in keys.items():
-        entry = fresh.get(key) or cached[key]
-        timing = entry.get("timings", {}).get(mode, {})
+        entry = entries[key]
         found[task] = Candidate(task[0], entry["status"], entry.get("reason", ""), entry.get("max_abs_err"),
-                                entry.get("tolerance"), entry.get("time_s"), timing.get("score_us"),
-                                timing.get("timings_us"), from_cache=key not in fresh)
-        if timing.get("error"):
-            found[task].reason = timing["error"]
+                                entry.get("tolerance"), entry.get("time_s"), from_cache=key not in fresh)
+        if entry["status"] == "valid" and not _usable(entry, mode):
+            found[task].status = "rejected"
+            found[task].reason = f"cannot serve under CUDA graphs: {entry.get('graph_capture', 'not checked')}"
 
-    chosen = {}
+    tables: dict[str, DispatchTable] = {}
+    for phase in timed:
+        valid = [n for n in names[phase] if (n, phase) in keys and found[(n, phase)].status == "valid"]
+        if len(valid) < 2:
+            continue
+        done = measured.get(phase)
+        missing = [n for n in valid if not done or not any(n in b["us"] for b in done["buckets"])]
+        if done and missing and not any(n in _bucket_errors(done) for n in missing):
+            # validated in a worker that died before the timing job: time the phase again, all vouched for
+            log.info("timing %s again: %s were validated by an earlier worker", phase, ", ".join(missing))
+            work([(timing.TIMING_TASK, phase)], {phase: {"backends": valid, "vouched": valid, "budget_s": budget_s}})
+            done = measured.get(phase)
+        if not done:
+            continue
+        table = build_table(done, valid)
+        if table is None:
+            timing_errors[phase] = "no candidate was timed in any bucket"
+            continue
+        tables[phase] = table
+        errors = _bucket_errors(done)
+        for name in valid:
+            cand = found[(name, phase)]
+            times = {b.label: b.times_us[name] for b in table.buckets if name in b.times_us}
+            cand.timings_us = times or None
+            cand.score_us = _geomean(list(times.values())) if times else None
+            if name in errors:
+                count, first = errors[name]
+                cand.reason = f"no time in {count} bucket(s): {first}"
+        key = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid])
+        complete = all(any(n in b["us"] for b in done["buckets"]) for n in valid)
+        if cache and complete and phase in to_time:
+            cache.put_many({key: {"kind": "dispatch", "backend": "(dispatch table)", "phase": phase,
+                                  "status": f"{len(table.buckets)} buckets", "mode": mode, "spec": spec.to_dict(),
+                                  "device": fp.get("gpu") or "cpu", "candidates": valid, "measured": done}})
+    for phase in timed:
+        if phase in timing_errors:
+            for name in names[phase]:
+                cand = found.get((name, phase))
+                if cand and cand.status == "valid" and not cand.reason and cand.score_us is None:
+                    cand.reason = f"not timed: {_one_line(timing_errors[phase])}"
+
+    phases, failures = {}, []
     for phase in PHASES:
         ranked = [found[(n, phase)] for n in names[phase]]
-        chosen[phase] = _choose(phase, choices[phase], ranked, phase in timed)
-        chosen[phase].status = "selected"
-    phases = {p: PhaseChoice(chosen[p].name, "auto" if choices[p] == AUTO else "explicit",
-                             [found[(n, p)] for n in names[p]]) for p in PHASES}
-    selection = Selection(spec, phases, policy, mode, "off" if cache is None else ("miss" if todo else "hit"), fp,
-                          stats)
+        source: Source = "auto" if choices[phase] == AUTO else "explicit"
+        try:
+            chosen = _choose(phase, choices[phase], ranked, tables.get(phase))
+        except SelectionError as exc:
+            failures.append(str(exc))
+            phases[phase] = PhaseChoice("", source, ranked, None, str(exc))
+            continue
+        chosen.status = "selected"
+        phases[phase] = PhaseChoice(chosen.name, source, ranked, tables.get(phase))
+    selection = Selection(spec, phases, policy, mode,
+                          "off" if cache is None else ("miss" if todo or to_time else "hit"), fp, stats)
+    if failures:
+        raise SelectionError("; ".join(failures), selection)
     log.info("%s", selection.summary())
     return selection
 
 
-def _choose(phase: Phase, choice: str, ranked: list[Candidate], timed: bool) -> Candidate:
+def _one_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _bucket_errors(measured: dict) -> dict[str, tuple[int, str]]:
+    """name -> (number of buckets where it got no time, the first reason)."""
+    out: dict[str, tuple[int, str]] = {}
+    for b in measured["buckets"]:
+        for name, reason in b.get("errors", {}).items():
+            count, first = out.get(name, (0, f"{b['label']}: {reason}"))
+            out[name] = (count + 1, first)
+    return out
+
+
+def _choose(phase: Phase, choice: str, ranked: list[Candidate], table: DispatchTable | None) -> Candidate:
     if choice != AUTO:
         cand = ranked[0]
         if cand.status != "valid":
@@ -255,10 +706,8 @@ def _choose(phase: Phase, choice: str, ranked: list[Candidate], timed: bool) -> 
         return cand
     valid = [c for c in ranked if c.status == "valid"]
     if not valid:
-        detail = "; ".join(f"{c.name}: {c.status}: {c.reason}" for c in ranked)
+        detail = "; ".join(f"{c.name}: {c.status}: {_one_line(c.reason)}" for c in ranked)
         raise SelectionError(f"no backend can serve {phase}: {detail}")
-    scored = [c for c in valid if c.score_us is not None]
-    if not timed or not scored:
-        return valid[0]
-    best = min(c.score_us for c in scored)
-    return next(c for c in scored if c.score_us <= best * (1 + TIE))
+    if table is not None:
+        return next(c for c in valid if c.name == table.default)
+    return valid[0]

@@ -24,6 +24,7 @@ HEARTBEAT_S = 15.0
 SLOW_FIRST_USE = {"flashinfer": "first use JIT-compiles kernels: about 2 minutes on a fresh machine",
                   "flashinfer_cuda_cores": "first use JIT-compiles kernels: about 20 s on a fresh machine"}
 STDERR_TAIL_LINES = 12
+TIMING_TASK = "@timing"  # validate.timing.TIMING_TASK: a task that times a phase's candidates (not a backend)
 
 spawn_count = 0  # process-wide number of workers spawned (tests assert on it)
 
@@ -160,14 +161,19 @@ def run_tasks(spec: AttentionSpec, tasks: list[tuple[str, str]], *, device: str,
                 if in_flight is None:
                     event = _wait(worker, STARTUP_TIMEOUT_S if not results else timeout, "starting the worker")
                 else:
-                    event = _wait(worker, timeout, f"validating {in_flight[0]} {in_flight[1]}")
+                    what = (f"timing the {in_flight[1]} candidates" if in_flight[0] == TIMING_TASK
+                            else f"validating {in_flight[0]} {in_flight[1]}")
+                    event = _wait(worker, timeout, what)
                 if event is None:
                     break
                 kind = event.pop("event")
                 if kind == "start":
                     in_flight = (event["backend"], event["phase"])
                     note = SLOW_FIRST_USE.get(in_flight[0], "")
-                    log.info("validating %s %s%s", in_flight[0], in_flight[1], f" ({note})" if note else "")
+                    if in_flight[0] == TIMING_TASK:
+                        log.info("timing the %s candidates on the bucket grid", in_flight[1])
+                    else:
+                        log.info("validating %s %s%s", in_flight[0], in_flight[1], f" ({note})" if note else "")
                 elif kind == "result":
                     key = (event.pop("backend"), event.pop("phase"))
                     results[key] = event
@@ -208,7 +214,10 @@ def run_tasks(spec: AttentionSpec, tasks: list[tuple[str, str]], *, device: str,
 
 def _log_result(key: tuple[str, str], result: dict) -> None:
     name, phase = key
-    if result["status"] == "valid":
+    if result["status"] == "timed":
+        measured = result["measured"]
+        log.info("  timed %s on %d bucket(s) in %.1f s", phase, len(measured["buckets"]), measured["wall_s"])
+    elif result["status"] == "valid":
         err = result.get("max_abs_err")
         log.info("  %s %s: valid (max abs err %.3g, tolerance %.3g, %.1f s)", name, phase, err,
                  result.get("tolerance", float("nan")), result.get("time_s") or 0.0)

@@ -1,6 +1,17 @@
-"""How fast: timing workloads derived from the spec, the one timing function (eager launches or CUDA-graph replays),
-and the bandwidth probes that decode speeds are compared with. Used by the worker (policy "measure"), `attnsel bench`
-and scripts/gpu_tune.py.
+"""How fast: the bucket grids that the measure policy times, the interleaved timing of a phase's candidates (eager
+launches or CUDA-graph replays, inputs read from HBM), the graph-capture check, and the bandwidth probes that decode
+speeds are compared with. Used by the worker (policy "measure"), `attnsel bench` and scripts/gpu_tune.py.
+
+Timing rules (what a number in a report means):
+- Every timed call reads its inputs from HBM, not L2: each bucket allocates several input sets whose total is at
+  least ``ROTATE_L2`` times the device's L2 size and the calls go round-robin over them (one shared cursor for all
+  candidates, so a candidate never reads what the previous one just pulled into L2).
+- Candidates are interleaved: repetition r times every candidate once (in an order rotated each repetition) before
+  repetition r + 1 starts; a bucket's number per candidate is the median over ``REPS`` samples of the time per call,
+  and its spread is (max - min) / median of those samples.
+- Eager: a sample is m consecutive ``run`` calls (host launch cost included: an engine in eager mode pays it).
+  Graph: one CUDA graph per candidate and bucket holds one call per input set; a sample is m replays. A candidate
+  whose capture fails gets no time in that bucket, with the reason.
 """
 from __future__ import annotations
 
@@ -9,11 +20,38 @@ import math
 import os
 import statistics
 import time
+from typing import Callable
 
 import torch
 
 from ..spec import AttentionSpec
 from .cases import cumulative
+
+GRID_VERSION = 1  # part of the dispatch-table cache key: bump when the grids or the timing rules change
+TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
+REPS = 7
+SAMPLE_S = 1e-3  # a sample lasts at least this long (CUDA event resolution is ~0.5 us)
+ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
+MAX_SETS = 1024
+DEFAULT_L2_BYTES = 50 << 20  # H200; used when the device does not report its L2 size
+DEFAULT_BUDGET_S = 40.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S)
+BUDGET_ENV = "ATTNSEL_TIMING_BUDGET_S"
+
+# Timed representatives (bucket centres). Buckets are the cells between the geometric midpoints of neighbouring
+# values on each axis; a shape outside the grid is clamped to the nearest end.
+PREFILL_SEQS = (1, 4, 16, 64)
+PREFILL_LENS = (64, 256, 1024, 4096, 16384)
+PREFILL_RAGGED = ([2048] + [64] * 15, [4096] + [256] * 7)  # one long prompt among short ones (chunked prefill)
+MAX_PREFILL_TOKENS = 32768
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_CTX = (256, 512, 1024, 2048, 4096, 8192, 16384)
+MAX_DECODE_KV_BYTES = 4 << 30
+CPU_PREFILL = ([16], [24, 8])  # the interpreter and CPU torch: tiny workloads only
+CPU_DECODE = ((1, 32), (4, 32))
+CPU_REPS = 3
+
+PREFILL_AXES = ("num_seqs", "total_tokens", "longest")
+DECODE_AXES = ("batch", "context")
 
 
 @dataclasses.dataclass
@@ -23,19 +61,58 @@ class Workload:
     inputs: tuple
 
 
-def prefill_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, list[int]]]:
-    """(label, sequence lengths): one long prompt, a few medium, many short, a ragged mix."""
+def prefill_key(lens: list[int]) -> tuple[int, int, int]:
+    """The bucket coordinates of a prefill batch: (number of sequences, total tokens, longest sequence)."""
+    return (len(lens), sum(lens), max(lens))
+
+
+def prefill_label(lens: list[int]) -> str:
+    if len(set(lens)) == 1:
+        return f"{len(lens)}x{lens[0]}"
+    return f"{len(lens)} seqs, {sum(lens)} tok, max {max(lens)}"
+
+
+def _level(i: int, n: int) -> int:
+    """0 for every other grid value and both ends (the coarse grid), 1 for the values in between."""
+    return 0 if i % 2 == 0 or i == n - 1 else 1
+
+
+def prefill_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, list[int]]]:
+    """(level, sequence lengths) of the timed prefill buckets, coarse grid (level 0) first."""
     if device.type != "cuda":
-        return [("2x64", [64, 64])]
-    return [("1x8192", [8192]), ("4x2048", [2048] * 4), ("32x256", [256] * 32),
-            ("ragged 13..3000", [13, 3000, 777, 1500, 100, 1])]
+        return [(0, list(lens)) for lens in CPU_PREFILL]
+    grid = []
+    for i, n in enumerate(PREFILL_SEQS):
+        for j, length in enumerate(PREFILL_LENS):
+            if n * length <= MAX_PREFILL_TOKENS:
+                grid.append((max(_level(i, len(PREFILL_SEQS)), _level(j, len(PREFILL_LENS))), [length] * n))
+    grid += [(1, list(lens)) for lens in PREFILL_RAGGED]
+    return sorted(grid, key=lambda item: item[0])
+
+
+def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None) -> list[tuple[int, int, int]]:
+    """(level, batch, context length) of the timed decode buckets, coarse grid first. A bucket's KV cache is at most
+    MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it (the torch backend gathers a copy, and
+    a server may select after loading its weights); the cells left out are served by their nearest neighbour."""
+    if device.type != "cuda":
+        return [(0, b, c) for b, c in CPU_DECODE]
+    cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
+    grid = []
+    for i, b in enumerate(DECODE_BATCHES):
+        for j, c in enumerate(DECODE_CTX):
+            if decode_bytes(spec, b, c) <= cap:
+                grid.append((max(_level(i, len(DECODE_BATCHES)), _level(j, len(DECODE_CTX))), b, c))
+    return sorted(grid, key=lambda item: item[0])
+
+
+def prefill_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, list[int]]]:
+    """(label, sequence lengths) of the prefill grid, for tools that time shapes one by one."""
+    return [(prefill_label(lens), lens) for _, lens in prefill_grid(spec, device)]
 
 
 def decode_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, int, int]]:
-    """(label, batch, context length)."""
-    if device.type != "cuda":
-        return [("4x128", 4, 128)]
-    return [("1x4096", 1, 4096), ("16x2048", 16, 2048), ("64x4096", 64, 4096), ("256x1024", 256, 1024)]
+    """(label, batch, context length) of the decode grid."""
+    return [(f"{b}x{c}", b, c) for _, b, c in decode_grid(spec, device)]
 
 
 def make_prefill_workload(spec: AttentionSpec, device: torch.device, label: str, lens: list[int]) -> Workload:
@@ -58,6 +135,23 @@ def make_decode_workload(spec: AttentionSpec, device: torch.device, label: str, 
     return Workload(label, (page_table, seq_lens), (q, k_cache, v_cache))
 
 
+def make_ragged_decode_workload(spec: AttentionSpec, device: torch.device, label: str, lens: list[int]) -> Workload:
+    """A decode batch whose sequences have the given context lengths (shuffled pages; unused table columns 0)."""
+    ps, dt = spec.page_size, spec.torch_dtype
+    pages = [math.ceil(n / ps) for n in lens]
+    k_cache = torch.randn(sum(pages), ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(sum(pages), device=device).to(torch.int32)
+    page_table = torch.zeros((len(lens), max(pages)), dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(pages):
+        page_table[b, :n] = order[start:start + n]
+        start += n
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
+    return Workload(label, (page_table, seq_lens), (q, k_cache, v_cache))
+
+
 def prefill_flops(spec: AttentionSpec, lens: list[int]) -> float:
     """FLOPs of causal attention (half the square per sequence), 4 per multiply-add pair of the two matmuls."""
     return sum(4 * spec.num_q_heads * spec.head_dim * n * n / (2 if spec.causal else 1) for n in lens)
@@ -67,12 +161,45 @@ def decode_bytes(spec: AttentionSpec, batch: int, ctx: int) -> float:
     item = torch.finfo(spec.torch_dtype).bits // 8
     return 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * item
 
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def num_sets(set_bytes: int, device: torch.device) -> int:
+    """How many input sets a bucket rotates over so that their total exceeds ROTATE_L2 x the L2 size."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(MAX_SETS, math.ceil(ROTATE_L2 * l2_bytes(device) / max(set_bytes, 1))))
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def rotated_workloads(spec: AttentionSpec, phase: str, shape, device: torch.device) -> tuple[tuple, list[tuple]]:
+    """(plan_args, input sets) of one bucket: one plan, several input sets of the same shapes (HBM rotation)."""
+    if phase == "prefill":
+        first = make_prefill_workload(spec, device, "", shape)
+    elif isinstance(shape, list):
+        first = make_ragged_decode_workload(spec, device, "", shape)
+    else:
+        first = make_decode_workload(spec, device, "", *shape)
+    count = num_sets(_nbytes(first.inputs), device)
+    sets = [first.inputs] + [tuple(torch.randn_like(t) for t in first.inputs) for _ in range(count - 1)]
+    return first.plan_args, sets
+
+
 def bench(fn, device: torch.device, target_s: float = 0.02, reps: int = 5) -> float:
-    """Median seconds per call of fn, timed with CUDA events (host clock on CPU), after a warm-up."""
+    """Median seconds per call of fn, timed with CUDA events (host clock on CPU), after a warm-up. fn's inputs are
+    the caller's: for HBM-resident numbers use ``measure`` (it rotates input sets)."""
     fn()
     _sync(device)
     t0 = time.perf_counter()
@@ -96,37 +223,196 @@ def bench(fn, device: torch.device, target_s: float = 0.02, reps: int = 5) -> fl
             times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
 
+
 def as_graph(run, inputs, device: torch.device):
     """A CUDA graph replay of run(*inputs): what an engine running under CUDA graphs pays per call."""
+    return capture(run, [inputs], device)[0].replay
+
+
+def capture(run, sets: list[tuple], device: torch.device) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    """One CUDA graph holding run(*s) for every input set s (after a warm-up call outside capture); returns the
+    graph and the outputs it writes. Raises what the capture raises."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        run(*inputs)  # warm-up outside capture (lazy init, autotuning)
+        run(*sets[0])  # warm-up outside capture (lazy init, autotuning)
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run(*inputs)
-    return graph.replay
+        outs = [run(*s) for s in sets]
+    return graph, outs
 
-def measure(backend, spec: AttentionSpec, phase: str, device: torch.device, mode: str) -> dict:
-    """Time the backend on the spec's workloads; score = geometric mean of the per-workload times."""
+
+def graph_check(backend, spec: AttentionSpec, case, device: torch.device) -> dict:
+    """Prove a backend can serve under CUDA graphs: capture its run on the validation case, replay, and check the
+    replayed output like any other. Returns {"graph_capture": "ok"} or {"graph_capture": reason}."""
+    from . import cases
+
+    try:
+        if isinstance(case, cases.PrefillCase):
+            run = backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)
+            inputs = (case.q, case.k, case.v)
+        else:
+            run = backend.plan_decode(spec, case.page_table, case.seq_lens)
+            inputs = (case.q, case.k_cache, case.v_cache)
+        graph, outs = capture(run, [inputs], device)
+        outs[0].fill_(float("nan"))  # the replay must write the output, not leave the capture's warm values
+        graph.replay()
+        _sync(device)
+    except Exception as exc:
+        return {"graph_capture": f"CUDA graph capture failed: {type(exc).__name__}: {_first_line(exc)}"}
+    checked = cases.check_output(spec, outs[0], case)
+    if checked["status"] != "valid":
+        return {"graph_capture": f"wrong under CUDA graph replay: {checked['reason']}"}
+    return {"graph_capture": "ok"}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+@dataclasses.dataclass
+class _Timed:
+    """One candidate prepared for one bucket: unit() runs `calls` calls (eager: from the shared cursor)."""
+
+    unit: Callable[[int], None]
+    calls: int
+    repeat: int = 1
+
+
+def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple], mode: str,
+             device: torch.device) -> _Timed:
+    plan = backend.plan_prefill if phase == "prefill" else backend.plan_decode
+    run = plan(spec, *plan_args)
+    if mode == "graph":
+        graph, _outs = capture(run, sets, device)
+        return _Timed(lambda cursor, g=graph, o=_outs: g.replay(), len(sets))
+    count = len(sets)
+
+    def unit(cursor: int) -> None:
+        run(*sets[cursor % count])
+
+    unit(0)  # warm-up (lazy initialisation, first-call autotuning)
+    return _Timed(unit, 1)
+
+
+def _sample(item: _Timed, cursor: int, device: torch.device) -> float:
+    """Seconds per call of item.repeat units starting at cursor."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(item.repeat):
+            item.unit(cursor + i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / (item.repeat * item.calls)
+    t0 = time.perf_counter()
+    for i in range(item.repeat):
+        item.unit(cursor + i)
+    return (time.perf_counter() - t0) / (item.repeat * item.calls)
+
+
+def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device: torch.device, mode: str,
+                reps: int) -> dict:
+    """Time every candidate on one bucket, interleaved. Returns {"us": {name: median us per call},
+    "spread": {name: (max - min) / median}, "errors": {name: reason}, "sets": n}."""
+    plan_args, sets = rotated_workloads(spec, phase, shape, device)
+    prepared: dict[str, _Timed] = {}
+    errors: dict[str, str] = {}
+    for name, backend in backends_.items():
+        try:
+            prepared[name] = _prepare(backend, spec, phase, plan_args, sets, mode, device)
+            _sync(device)
+        except Exception as exc:
+            what = "CUDA graph capture" if mode == "graph" else "plan or first run"
+            errors[name] = f"{what} failed: {type(exc).__name__}: {_first_line(exc)}"
+    cursor = 0
+    for name, item in list(prepared.items()):  # calibrate: a sample lasts at least SAMPLE_S
+        try:
+            per_unit = _sample(item, cursor, device) * item.calls
+        except Exception as exc:
+            errors[name] = f"raised {type(exc).__name__}: {_first_line(exc)}"
+            del prepared[name]
+            continue
+        cursor += item.repeat
+        if device.type == "cuda":
+            item.repeat = max(1, min(10000, math.ceil(SAMPLE_S / max(per_unit, 1e-9))))
+    samples: dict[str, list[float]] = {name: [] for name in prepared}
+    order = list(prepared)
+    for r in range(reps):
+        shift = r % len(order) if order else 0
+        for name in order[shift:] + order[:shift]:
+            if name not in prepared:
+                continue
+            item = prepared[name]
+            try:
+                samples[name].append(_sample(item, cursor, device))
+            except Exception as exc:
+                errors[name] = f"raised {type(exc).__name__}: {_first_line(exc)}"
+                del prepared[name]
+            cursor += item.repeat
+    us, spread = {}, {}
+    for name, values in samples.items():
+        if name in prepared and values:
+            med = statistics.median(values)
+            us[name] = med * 1e6
+            spread[name] = (max(values) - min(values)) / med if med > 0 else 0.0
+    del prepared, sets
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"us": us, "spread": spread, "errors": errors}
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def budget_from_env() -> float:
+    raw = os.environ.get(BUDGET_ENV)
+    if raw is None:
+        return DEFAULT_BUDGET_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{BUDGET_ENV} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{BUDGET_ENV} must be positive, got {raw!r}")
+    return value
+
+
+def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.device, mode: str,
+            budget_s: float | None = None, reps: int | None = None, grid: list | None = None) -> dict:
+    """Time the candidates ``names`` of one phase on every bucket of the phase's grid, interleaved (module doc).
+
+    Buckets go coarse grid first; once ``budget_s`` seconds are spent the remaining buckets are skipped (listed in
+    "skipped"), so a tight budget gives a coarser table, never a missing range. Returns a JSON-able dict:
+    ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors"}],
+    "skipped": [labels], "wall_s"}``.
+    """
+    from .. import backends
+
     os.environ.pop("ATTNSEL_FLASHINFER_WORKSPACE_MB", None)  # runtime-sized workspace for real batches
-    timings = {}
-    if phase == "prefill":
-        loads = [make_prefill_workload(spec, device, label, lens)
-                 for label, lens in prefill_workloads(spec, device)]
-        plan = backend.plan_prefill
-    else:
-        loads = [make_decode_workload(spec, device, label, b, ctx)
-                 for label, b, ctx in decode_workloads(spec, device)]
-        plan = backend.plan_decode
-    for load in loads:
-        run = plan(spec, *load.plan_args)
-        fn = as_graph(run, load.inputs, device) if mode == "graph" else (lambda r=run, i=load.inputs: r(*i))
-        timings[load.label] = bench(fn, device) * 1e6
-        del run, fn
-    score = math.exp(sum(math.log(t) for t in timings.values()) / len(timings))
-    return {"timings_us": timings, "score_us": score}
+    reps = reps or (REPS if device.type == "cuda" else CPU_REPS)
+    t0 = time.perf_counter()
+    cands = {name: backends.get(name) for name in names}
+    if grid is None:
+        grid = ([(lvl, lens) for lvl, lens in prefill_grid(spec, device)] if phase == "prefill"
+                else [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, _free_bytes(device))])
+    buckets, skipped = [], []
+    for _level_, shape in grid:
+        if phase == "prefill":
+            key, label = prefill_key(shape), prefill_label(shape)
+        else:
+            key, label = tuple(shape), f"{shape[0]}x{shape[1]}"
+        if budget_s is not None and buckets and time.perf_counter() - t0 > budget_s:
+            skipped.append(label)
+            continue
+        timed = time_bucket(cands, spec, phase, shape, device, mode, reps)
+        buckets.append({"key": list(key), "label": label, **timed})
+    return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
+            "axes": list(PREFILL_AXES if phase == "prefill" else DECODE_AXES), "reps": reps, "buckets": buckets,
+            "skipped": skipped, "wall_s": time.perf_counter() - t0}
 
 
 def probes(device: torch.device) -> dict:

@@ -1,0 +1,603 @@
+"""Dispatch table (issue 10): bucket boundaries, dispatch from injected timings, untimed shapes, graph-mode decode by
+batch size, the cache round trip, the JSON schema, and the checked run functions. No GPU: timings are made by hand
+(the real worker runs once, on the CPU grid)."""
+import json
+import math
+
+import pytest
+import torch
+
+import attnsel.selection as selection
+from attnsel import AttentionSpec, SelectionError, select
+from attnsel.backends.torch_sdpa import BACKEND as TORCH
+from attnsel.selection import DispatchTable, PhaseChoice, Selection, build_table
+from attnsel.validate import runner, timing
+from attnsel.validate.cases import cumulative
+
+SPEC = AttentionSpec(4, 2, 64, "fp16")
+
+
+def measured(phase, mode, cells, axes=None):
+    """timing.measure's result from {key tuple: {name: us}}."""
+    axes = axes or (timing.PREFILL_AXES if phase == "prefill" else timing.DECODE_AXES)
+    buckets = [{"key": list(k), "label": "x".join(map(str, k)), "us": dict(t), "spread": {n: 0.01 for n in t},
+                "errors": {}} for k, t in cells.items()]
+    return {"phase": phase, "mode": mode, "grid_version": timing.GRID_VERSION, "axes": list(axes), "reps": 7,
+            "buckets": buckets, "skipped": [], "wall_s": 1.0}
+
+
+DECODE = {(1, 256): {"a": 10.0, "b": 12.0}, (1, 1024): {"a": 20.0, "b": 19.0},
+          (4, 256): {"a": 30.0, "b": 20.0}, (4, 1024): {"a": 40.0, "b": 60.0},
+          (16, 256): {"a": 50.0, "b": 49.0}, (16, 1024): {"a": 80.0, "b": 70.0}}
+
+
+def test_bucket_boundaries_are_log_midpoints_and_clamp():
+    table = build_table(measured("decode", "eager", DECODE), ["a", "b"])
+    assert table.axes == ("batch", "context")
+    # batch boundaries at sqrt(1*4)=2 and sqrt(4*16)=8; context boundary at sqrt(256*1024)=512
+    assert table.cell((1, 256)) == (0, 0)
+    assert table.cell((2, 256)) == (1, 0)  # a boundary value belongs to the upper bucket
+    assert table.cell((7, 511)) == (1, 0)
+    assert table.cell((8, 512)) == (2, 1)
+    assert table.cell((0, 0)) == (0, 0)  # clamped at the low end
+    assert table.cell((10**6, 10**9)) == (2, 1)  # and at the high end
+    assert table.bucket_for((3, 300)).key == (4, 256)
+    assert table.bucket_for((100_000, 2_000_000)).key == (16, 1024)
+
+
+def test_dispatch_from_injected_timings_ties_go_by_priority():
+    table = build_table(measured("decode", "eager", DECODE), ["a", "b"])
+    got = {b.key: (b.backend, b.runner_up) for b in table.buckets}
+    assert got[(1, 256)] == ("a", "b")  # fastest
+    assert got[(1, 1024)] == ("b", "a")  # 20 vs 19: a is 5.3% slower, outside the tie band
+    assert got[(4, 256)] == ("b", "a")
+    assert got[(4, 1024)] == ("a", "b")
+    assert got[(16, 256)] == ("a", "b")  # 50 vs 49: within 3%, "a" is first in priority
+    assert got[(16, 1024)] == ("b", "a")
+    b = table.bucket_for((4, 256))
+    assert b.us == 20.0 and b.runner_up_us == 30.0 and b.ratio == pytest.approx(1.5)
+    # the priority order decides ties: with b first, b keeps the 50-vs-49 bucket
+    assert build_table(measured("decode", "eager", DECODE), ["b", "a"]).backend_for((16, 256)) == "b"
+    # only usable candidates may win: a rejected candidate's times are ignored
+    only_b = build_table(measured("decode", "eager", DECODE), ["a", "b"], usable={"b"})
+    assert {b.backend for b in only_b.buckets} == {"b"}
+
+
+def test_tie_band_is_three_percent():
+    cells = {(1, 256): {"a": 10.3, "b": 10.0}, (4, 256): {"a": 10.31, "b": 10.0}}
+    table = build_table(measured("decode", "eager", cells), ["a", "b"])
+    assert table.backend_for((1, 256)) == "a"  # 3.0% slower: a tie, priority decides
+    assert table.backend_for((4, 256)) == "b"  # 3.1% slower: b wins
+
+
+def test_untimed_shapes_take_the_nearest_timed_bucket():
+    cells = dict(DECODE)
+    del cells[(16, 1024)]  # e.g. capped: its KV would exceed the timing memory cap
+    table = build_table(measured("decode", "eager", cells), ["a", "b"])
+    # batch 16 x ctx 4096 falls in the missing cell; 4x1024 and 16x256 are both 2 octaves from its centre in log
+    # space: the tie goes to the earlier timed bucket (grids are timed coarse first)
+    assert table.bucket_for((16, 4096)).key == (4, 1024)
+    assert table.bucket_for((20, 200)).key == (16, 256)
+    # prefill: a ragged batch that matches no representative goes to the nearest in (seqs, tokens, longest)
+    pre = {(1, 64, 64): {"a": 5.0, "b": 9.0}, (1, 4096, 4096): {"a": 900.0, "b": 800.0},
+           (16, 1024, 64): {"a": 50.0, "b": 20.0}, (16, 3008, 2048): {"a": 300.0, "b": 500.0}}
+    ptable = build_table(measured("prefill", "eager", pre), ["a", "b"])
+    assert ptable.axes == ("num_seqs", "total_tokens", "longest")
+    assert ptable.backend_for((1, 100, 100)) == "a"
+    assert ptable.backend_for((1, 12000, 12000)) == "b"  # clamped to the longest timed prompt
+    assert ptable.backend_for((12, 800, 70)) == "b"  # many short sequences
+    assert ptable.bucket_for((10, 2500, 2000)).key == (16, 3008, 2048)  # one long prompt among short ones
+
+
+def test_graph_mode_decode_buckets_by_batch_only():
+    cells = {(1, 256): {"a": 10.0, "b": 12.0}, (1, 16384): {"a": 200.0, "b": 100.0},
+             (8, 256): {"a": 10.0, "b": 30.0}, (8, 16384): {"a": 300.0, "b": 290.0}}
+    table = build_table(measured("decode", "graph", cells), ["a", "b"])
+    assert table.axes == ("batch",)
+    assert [b.key for b in table.buckets] == [(1,), (8,)]
+    # batch 1: geometric means a sqrt(10*200)=44.7, b sqrt(12*100)=34.6 -> b, although a wins the short context
+    one = table.bucket_for((1,))
+    assert one.backend == "b" and one.us == pytest.approx(math.sqrt(1200)) and one.runner_up == "a"
+    assert table.backend_for((8,)) == "a"
+    assert one.label == "batch 1 (ctx 256-16384)"
+    sel = _selection({"decode": PhaseChoice("b", "auto", [], table)}, mode="graph")
+    assert sel.decode_backend_for(1, 256) == "b"  # the context length plays no part
+    assert sel.decode_backend_for(1, 10**6) == "b"
+    assert sel.decode_backend_for(6, 256) == "a"
+
+
+def test_headline_backend_is_the_best_single_backend():
+    table = build_table(measured("decode", "eager", DECODE), ["a", "b"])
+    ga = math.prod(t["a"] for t in DECODE.values()) ** (1 / 6)
+    gb = math.prod(t["b"] for t in DECODE.values()) ** (1 / 6)
+    assert table.default == ("a" if ga <= gb * 1.03 else "b")
+    assert table.wins() == {"a": 3, "b": 3}
+
+
+def test_table_json_round_trip():
+    table = build_table(measured("decode", "graph", DECODE), ["a", "b"])
+    again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.to_json() == table.to_json()
+    assert again.backend_for((3,)) == table.backend_for((3,))
+
+
+# ---- end to end through select(), with the worker replaced by injected results ----
+
+def fake_worker(monkeypatch, timings: dict, calls: list):
+    """runner.run_tasks that validates every candidate as valid and returns ``timings[phase]`` for timing tasks."""
+
+    def run_tasks(spec, tasks, *, device, timeout=None, measure=False, mode="eager"):
+        calls.append((list(tasks), measure))
+        out = {}
+        for name, phase in tasks:
+            if name == timing.TIMING_TASK:
+                wanted = [n for n in measure[phase]["backends"]]
+                data = json.loads(json.dumps(timings[phase]))
+                for b in data["buckets"]:
+                    b["us"] = {n: t for n, t in b["us"].items() if n in wanted}
+                out[(name, phase)] = {"status": "timed", "reason": "", "measured": data, "time_s": 1.0}
+            else:
+                out[(name, phase)] = {"status": "valid", "reason": "", "max_abs_err": 1e-3, "tolerance": 1e-2,
+                                      "time_s": 0.1}
+        return out, runner.RunStats(spawns=1, wall_s=1.0)
+
+    monkeypatch.setattr(runner, "run_tasks", run_tasks)
+
+
+PRE = {(1, 64, 64): {"torch": 5.0, "triton": 9.0}, (16, 1024, 64): {"torch": 50.0, "triton": 20.0}}
+DEC = {(1, 256): {"torch": 10.0, "triton": 20.0}, (64, 256): {"torch": 90.0, "triton": 30.0}}
+
+
+def test_select_builds_and_caches_the_tables(monkeypatch):
+    calls = []
+    fake_worker(monkeypatch, {"prefill": measured("prefill", "eager", PRE),
+                              "decode": measured("decode", "eager", DEC)}, calls)
+    order = ["triton", "torch"]
+    cold = select(SPEC, prefill_priority=order, decode_priority=order)
+    assert cold.cache == "miss" and len(calls) == 1
+    tasks = calls[0][0]
+    assert tasks[-2:] == [(timing.TIMING_TASK, "prefill"), (timing.TIMING_TASK, "decode")]  # after validation
+    assert calls[0][1]["decode"]["backends"] == order
+    assert cold.dispatch["decode"].backend_for((1, 300)) == "torch"
+    assert cold.dispatch["decode"].backend_for((100, 300)) == "triton"
+    assert cold.prefill_backend_for(1, 64, 64) == "torch" and cold.prefill_backend_for(20, 1200, 60) == "triton"
+    statuses = {c.name: c.status for c in cold.candidates["decode"]}
+    assert statuses[cold.decode] == "selected"
+    assert all(c.score_us for c in cold.candidates["decode"])
+    warm = select(SPEC, prefill_priority=order, decode_priority=order)
+    assert len(calls) == 1  # no worker: validation and tables from the cache
+    assert warm.cache == "hit"
+    for phase in ("prefill", "decode"):
+        assert warm.dispatch[phase].to_json() == cold.dispatch[phase].to_json()
+    # another bucket grid version is another table: timed again, validation still cached
+    monkeypatch.setattr(timing, "GRID_VERSION", timing.GRID_VERSION + 1)
+    again = select(SPEC, prefill_priority=order, decode_priority=order)
+    assert len(calls) == 2 and all(t[0] == timing.TIMING_TASK for t in calls[1][0])
+    assert calls[1][1]["decode"]["vouched"] == order
+    assert again.cache == "miss"
+
+
+def test_priority_and_explicit_choices_have_no_table(monkeypatch):
+    calls = []
+    fake_worker(monkeypatch, {}, calls)
+    sel = select(SPEC, policy="priority", prefill_priority=["triton", "torch"], decode_priority=["triton", "torch"])
+    assert sel.dispatch == {"prefill": None, "decode": None}
+    assert all(t[0] != timing.TIMING_TASK for t in calls[0][0])
+    assert sel.decode_backend_for(1, 10) == sel.decode_backend_for(256, 10**5) == "triton"
+    explicit = select(SPEC, prefill="torch", decode="torch")
+    assert explicit.dispatch == {"prefill": None, "decode": None}
+    assert explicit.prefill_backend_for(64, 4096, 64) == "torch"
+
+
+def test_timing_failure_falls_back_to_priority_with_a_reason(monkeypatch):
+    def run_tasks(spec, tasks, *, device, timeout=None, measure=False, mode="eager"):
+        out = {t: {"status": "valid", "reason": "", "max_abs_err": 1e-3, "tolerance": 1e-2, "time_s": 0.1}
+               for t in tasks if t[0] != timing.TIMING_TASK}
+        for t in tasks:
+            if t[0] == timing.TIMING_TASK:
+                out[t] = {"status": "rejected", "reason": "worker died with SIGSEGV while running @timing decode",
+                          "time_s": None}
+        return out, runner.RunStats(spawns=1)
+
+    monkeypatch.setattr(runner, "run_tasks", run_tasks)
+    sel = select(SPEC, prefill_priority=["triton", "torch"], decode_priority=["triton", "torch"])
+    assert sel.dispatch["decode"] is None and sel.decode == "triton"
+    assert "not timed: worker died with SIGSEGV" in sel.candidates["decode"][0].reason
+
+
+def test_the_real_worker_times_the_cpu_grid_interleaved():
+    sel = select(SPEC, prefill_priority=["triton", "torch"], decode_priority=["triton", "torch"])
+    for phase in ("prefill", "decode"):
+        table = sel.dispatch[phase]
+        assert table is not None and table.grid_version == timing.GRID_VERSION
+        labels = [b.label for b in table.buckets]
+        assert labels == ([timing.prefill_label(l) for l in timing.CPU_PREFILL] if phase == "prefill"
+                          else [f"{b}x{c}" for b, c in timing.CPU_DECODE])
+        for b in table.buckets:
+            assert set(b.times_us) == {"triton", "torch"} and all(v > 0 for v in b.times_us.values())
+            assert set(b.spread) == {"triton", "torch"}
+    assert sel.stats["spawns"] == 1 and sel.stats["timing_wall_s"] > 0
+
+
+# ---- plan-time dispatch and the checked run functions ----
+
+class Recorder:
+    """torch's kernels under another name; remembers which backend planned."""
+
+    planned: list = []
+
+    def __init__(self, name):
+        self.name = name
+        self.version = "test"
+
+    def unsupported(self, spec, phase):
+        return None
+
+    def plan_prefill(self, spec, *args):
+        Recorder.planned.append(self.name)
+        return TORCH.plan_prefill(spec, *args)
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        Recorder.planned.append(self.name)
+        if page_table.is_meta:  # dispatch must not need the data: a meta tensor has none
+            return lambda q, k, v: q
+        return TORCH.plan_decode(spec, page_table, seq_lens)
+
+
+RECORDERS = [Recorder("rec_a"), Recorder("rec_b")]
+
+
+def _selection(phases, mode="eager", spec=SPEC):
+    full = {"prefill": PhaseChoice("torch", "explicit", []), "decode": PhaseChoice("torch", "explicit", [])}
+    full.update(phases)
+    return Selection(spec, full, "measure", mode, "off", {}, {})
+
+
+def test_plan_decode_dispatches_from_host_sizes_without_reading_tensors(monkeypatch):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:RECORDERS")
+    cells = {(1, 256): {"rec_a": 1.0, "rec_b": 2.0}, (1, 4096): {"rec_a": 9.0, "rec_b": 2.0},
+             (32, 256): {"rec_a": 9.0, "rec_b": 2.0}, (32, 4096): {"rec_a": 9.0, "rec_b": 2.0}}
+    sel = _selection({"decode": PhaseChoice("rec_b", "auto", [],
+                                            build_table(measured("decode", "eager", cells), ["rec_a", "rec_b"]))})
+    Recorder.planned.clear()
+    meta = dict(device="meta", dtype=torch.int32)
+    sel.plan_decode(torch.empty(2, 20, **meta), torch.empty(2, **meta), max_seq_len=300)
+    sel.plan_decode(torch.empty(2, 20, **meta), torch.empty(2, **meta), max_seq_len=5000)
+    # without max_seq_len the page table's width decides: 20 pages x 16 = 320 tokens
+    sel.plan_decode(torch.empty(2, 20, **meta), torch.empty(2, **meta))
+    sel.plan_decode(torch.empty(40, 20, **meta), torch.empty(40, **meta), max_seq_len=300)
+    assert Recorder.planned == ["rec_a", "rec_b", "rec_a", "rec_b"]
+
+
+def test_plan_prefill_dispatches_on_seqs_tokens_longest(monkeypatch):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:RECORDERS")
+    cells = {(1, 64, 64): {"rec_a": 1.0, "rec_b": 2.0}, (16, 1024, 64): {"rec_a": 9.0, "rec_b": 2.0}}
+    sel = _selection({"prefill": PhaseChoice("rec_a", "auto", [],
+                                             build_table(measured("prefill", "eager", cells), ["rec_a", "rec_b"]))})
+    Recorder.planned.clear()
+    cu = cumulative([40, 50], "cpu")
+    run = sel.plan_prefill(cu, cu, 50, 50, total_q=90)
+    sel.plan_prefill(cumulative([60] * 12, "cpu"), cumulative([60] * 12, "cpu"), 60, 60)  # total_q: 12 x 60
+    assert Recorder.planned == ["rec_a", "rec_b"]
+    q = torch.randn(90, 4, 64, dtype=torch.float16)
+    k, v = torch.randn(90, 2, 64, dtype=torch.float16), torch.randn(90, 2, 64, dtype=torch.float16)
+    ref = TORCH.plan_prefill(SPEC, cu, cu, 50, 50)(q, k, v)
+    assert torch.equal(run(q, k, v), ref)  # the check changes nothing
+
+
+def _prefill_run(total_k=None):
+    sel = _selection({})
+    cu = cumulative([5, 7], "cpu")
+    return sel.plan_prefill(cu, cu, 7, 7, 12, total_k=total_k)
+
+
+H = dict(dtype=torch.float16)
+
+
+@pytest.mark.parametrize("args, message", [
+    (((12, 3, 64), (12, 2, 64), (12, 2, 64)), "q: expected [12, 4, 64] fp16 on cpu, got [12, 3, 64] fp16 on cpu"),
+    (((12, 4, 32), (12, 2, 64), (12, 2, 64)), "q: expected [12, 4, 64] fp16 on cpu, got [12, 4, 32] fp16 on cpu"),
+    (((11, 4, 64), (12, 2, 64), (12, 2, 64)), "q: expected [12, 4, 64] fp16 on cpu, got [11, 4, 64] fp16 on cpu"),
+    (((12, 4, 64), (12, 4, 64), (12, 4, 64)), "k: expected [*, 2, 64] fp16 on cpu, got [12, 4, 64] fp16 on cpu"),
+    (((12, 4, 64), (12, 2, 64), (10, 2, 64)), "v: expected [12, 2, 64] fp16 on cpu, got [10, 2, 64] fp16 on cpu"),
+    (((4, 64), (12, 2, 64), (12, 2, 64)), "q: expected [12, 4, 64] fp16 on cpu, got [4, 64] fp16 on cpu"),
+])
+def test_prefill_run_names_the_bad_argument(args, message):
+    run = _prefill_run()
+    tensors = [torch.zeros(s, **H) for s in args]
+    with pytest.raises(ValueError) as exc:
+        run(*tensors)
+    assert str(exc.value) == message
+
+
+def test_prefill_run_checks_dtype_token_count_and_features():
+    run = _prefill_run(total_k=12)
+    q, k, v = torch.zeros(12, 4, 64, **H), torch.zeros(12, 2, 64, **H), torch.zeros(12, 2, 64, **H)
+    with pytest.raises(ValueError, match=r"^q: expected \[12, 4, 64\] fp16 on cpu, got \[12, 4, 64\] bf16 on cpu$"):
+        run(q.bfloat16(), k, v)
+    with pytest.raises(ValueError, match=r"^k: expected \[12, 2, 64\] fp16 on cpu, got \[13, 2, 64\] fp16 on cpu$"):
+        run(q, torch.zeros(13, 2, 64, **H), torch.zeros(13, 2, 64, **H))
+    with pytest.raises(ValueError, match=r"^v: expected \[12, 2, 64\] fp16 on cpu, got \[12, 2, 64\] fp32 on cpu$"):
+        run(q, k, v.float())
+    with pytest.raises(ValueError, match="^sinks: given, but the spec has no attention sinks"):
+        run(q, k, v, sinks=torch.zeros(4))
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        run(q, k, v, window=3)
+    assert run(q, k, v).shape == (12, 4, 64)
+
+
+def test_decode_run_names_the_bad_argument():
+    sel = _selection({})
+    page_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 5], dtype=torch.int32)
+    run = sel.plan_decode(page_table, seq_lens, 20)
+    q, kc = torch.zeros(2, 4, 64, **H), torch.zeros(4, 16, 2, 64, **H)
+    with pytest.raises(ValueError) as exc:
+        run(torch.zeros(3, 4, 64, **H), kc, kc)
+    assert str(exc.value) == "q: expected [2, 4, 64] fp16 on cpu, got [3, 4, 64] fp16 on cpu"
+    with pytest.raises(ValueError) as exc:
+        run(q, torch.zeros(4, 8, 2, 64, **H), kc)
+    assert str(exc.value) == "k_cache: expected [*, 16, 2, 64] fp16 on cpu, got [4, 8, 2, 64] fp16 on cpu"
+    with pytest.raises(ValueError) as exc:
+        run(q, kc, kc.bfloat16())
+    assert str(exc.value) == "v_cache: expected [4, 16, 2, 64] fp16 on cpu, got [4, 16, 2, 64] bf16 on cpu"
+    with pytest.raises(ValueError, match="^v_cache: expected .* got None$"):
+        run(q, kc, None)
+    with pytest.raises(ValueError, match="^k_scale: given, but the spec's KV cache is fp16"):
+        run(q, kc, kc, k_scale=torch.ones(1))
+    assert torch.equal(run(q, kc, kc), TORCH.plan_decode(SPEC, page_table, seq_lens)(q, kc, kc))
+
+
+def test_decode_run_checks_feature_inputs_the_spec_asks_for():
+    spec = AttentionSpec(4, 2, 64, "fp16", sinks=True)
+    sel = _selection({}, spec=spec)
+    run = selection.checked_decode(lambda q, k, v, **kw: q, spec, -1, 2)
+    q, kc = torch.zeros(2, 4, 64, **H), torch.zeros(4, 16, 2, 64, **H)
+    with pytest.raises(ValueError, match=r"^sinks: expected \[4\] fp32 \(the spec has attention sinks\), got None$"):
+        run(q, kc, kc)
+    assert run(q, kc, kc, sinks=torch.zeros(4)) is q
+    assert sel.spec.sinks
+
+
+def test_selection_error_carries_what_was_found(monkeypatch):
+    with pytest.raises(SelectionError) as exc:
+        select(SPEC, prefill="fa3", policy="priority", decode_priority=["torch"])
+    found = exc.value.selection
+    assert found is not None and found.phases["prefill"].backend == ""
+    assert "requested explicitly but is unavailable" in found.phases["prefill"].error
+    assert found.decode == "torch"
+    import pickle
+
+    assert pickle.loads(pickle.dumps(exc.value)).selection.decode == "torch"  # survives the rank-0 broadcast
+
+
+# ---- the timing rules (HBM rotation, interleaving) and the bench grid ----
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1), (28, 4)])
+def test_every_timed_bucket_rotates_more_than_twice_the_l2(monkeypatch, heads):
+    """Rotation covers the H200's 50 MB L2 twice over for every bucket of the real (GPU) grids."""
+    monkeypatch.setattr(timing, "l2_bytes", lambda device: 50 << 20)
+    spec = AttentionSpec(*heads, 128, "bf16", 16)
+    cuda = torch.device("cuda")  # only its type is read: nothing is allocated
+    item = 2
+    for _, b, c in timing.decode_grid(spec, cuda):
+        kv_set = 2 * b * math.ceil(c / 16) * 16 * spec.num_kv_heads * 128 * item + b * spec.num_q_heads * 128 * item
+        assert timing.num_sets(kv_set, cuda) * kv_set >= 2 * (50 << 20), (b, c)
+    for _, lens in timing.prefill_grid(spec, cuda):
+        t = sum(lens)
+        qkv = t * (spec.num_q_heads + 2 * spec.num_kv_heads) * 128 * item
+        assert timing.num_sets(qkv, cuda) * qkv >= 2 * (50 << 20), lens
+
+
+def test_grids_are_coarse_first_and_within_the_caps():
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")
+    dec = timing.decode_grid(spec, cuda)
+    levels = [lvl for lvl, _, _ in dec]
+    assert levels == sorted(levels) and levels[0] == 0
+    coarse = {(b, c) for lvl, b, c in dec if lvl == 0}
+    assert (1, 256) in coarse and (256, 256) in coarse and (1, 16384) in coarse  # both ends of every axis
+    assert all(timing.decode_bytes(spec, b, c) <= timing.MAX_DECODE_KV_BYTES for _, b, c in dec)
+    assert all(sum(lens) <= timing.MAX_PREFILL_TOKENS for _, lens in timing.prefill_grid(spec, cuda))
+
+
+class Logged:
+    """A fake backend that logs (its name, the id of the q it ran on) for every run call."""
+
+    calls: list = []
+
+    def __init__(self, name):
+        self.name = name
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        return lambda q, k, v: Logged.calls.append((self.name, id(q)))
+
+
+def test_candidates_are_interleaved_and_rotate_the_input_sets(monkeypatch):
+    monkeypatch.setattr(timing, "num_sets", lambda nbytes, device: 3)
+    Logged.calls.clear()
+    cands = {"a": Logged("a"), "b": Logged("b"), "c": Logged("c")}
+    out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=3)
+    assert set(out["us"]) == {"a", "b", "c"} and not out["errors"]
+    timed = Logged.calls[3 + 3:]  # after one warm-up call each and one calibration sample each
+    assert [n for n, _ in timed] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # round-robin, rotated start
+    sets = [q for _, q in Logged.calls[3:]]  # from calibration on: one shared cursor over the 3 input sets
+    assert len(set(sets)) == 3
+    assert all(sets[i] != sets[i + 1] for i in range(len(sets) - 1))  # never the set the previous call just read
+
+
+def test_a_candidate_that_fails_in_a_bucket_gets_no_time_there():
+    class Broken:
+        name = "broken"
+
+        def plan_decode(self, spec, page_table, seq_lens):
+            raise RuntimeError("no kernel for this shape\nlong trace")
+
+    out = timing.time_bucket({"torch": TORCH, "broken": Broken()}, SPEC, "decode", (2, 32), torch.device("cpu"),
+                             "eager", reps=2)
+    assert set(out["us"]) == {"torch"}
+    assert out["errors"] == {"broken": "plan or first run failed: RuntimeError: no kernel for this shape"}
+
+
+def test_bench_grid_differs_from_the_timed_buckets():
+    from attnsel import bench
+
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")
+    timed_pre = {timing.prefill_key(lens) for _, lens in timing.prefill_grid(spec, cuda)}
+    timed_dec = {(b, c) for _, b, c in timing.decode_grid(spec, cuda)}
+    pre = bench.shapes(spec, "prefill", quick=False)
+    dec = bench.shapes(spec, "decode", quick=False)
+    assert pre and dec and not {k for _, k, _, _ in pre} & timed_pre and not {k for _, k, _, _ in dec} & timed_dec
+    assert any(label.startswith("ragged") for label, _, _, _ in dec)
+
+
+def test_bench_compares_selected_one_backend_and_static_priority():
+    from attnsel import bench
+
+    cells = {(1, 256): {"fa3": 12.0, "flashinfer": 10.0}, (64, 256): {"fa3": 20.0, "flashinfer": 30.0}}
+    table = build_table(measured("decode", "eager", cells), ["flashinfer", "fa3"])
+    sel = _selection({"decode": PhaseChoice(table.default, "auto", [], table)})
+    row = [bench.Cell({}, "decode", "48x200", "eager", n, us, 1.0, vs_best=us / 20.0)
+           for n, us in (("fa3", 20.0), ("flashinfer", 31.0))]
+    got = bench.compare(AttentionSpec(32, 8, 128), "decode", "eager", "48x200", (48, 200), row, ["fa3", "flashinfer"],
+                        sel)
+    assert got["fastest"] == "fa3" and got["selected"] == "fa3" and got["selected_ratio"] == 1.0
+    assert got["static"] == "fa3"
+    assert got["one_backend"] == table.default
+    summary = bench.summarise([got, {**got, "shape": "x", "selected": "flashinfer", "selected_ratio": 1.2}])
+    sel_row = next(s for s in summary if s["strategy"] == "selected")
+    assert sel_row["within_tie"] == 1 and sel_row["worst"] == 1.2
+    assert sel_row["geomean"] == pytest.approx(math.sqrt(1.2))
+
+
+def test_bench_plumbing_on_tiny_cpu_shapes(monkeypatch, tmp_path):
+    """run_grid -> compare -> summarise -> markdown end to end (the real timing on CPU, tiny shapes)."""
+    from attnsel import bench
+
+    monkeypatch.setattr(bench, "QUICK_PREFILL", [[8], [5, 3]])
+    monkeypatch.setattr(bench, "QUICK_DECODE", [(1, 20), [5, 17]])
+    monkeypatch.setattr(timing, "REPS", 2)
+    cpu = torch.device("cpu")
+    probe = {"copy_tbps": 1.0, "read_tbps": 1.0}
+    cells, checks, groups = bench.run_grid(SPEC, ["torch", "triton"], ["eager"], True, cpu, probe, lambda m: None)
+    assert checks == {"prefill": {"torch": "", "triton": ""}, "decode": {"torch": "", "triton": ""}}
+    assert [g[2] for g in groups] == ["1x8", "2 seqs, 8 tok, max 5", "1x20", "ragged 2 (max 17)"]
+    assert all(c.us and c.vs_best >= 1 for c in cells)
+    table = build_table(measured("decode", "eager", {(1, 20): {"torch": 1.0, "triton": 2.0},
+                                                     (2, 17): {"torch": 2.0, "triton": 1.0}}), ["triton", "torch"])
+    sel = _selection({"decode": PhaseChoice(table.default, "auto", [], table)})
+    rows = [bench.compare(SPEC, *g[:4], g[4], g[5], sel) for g in groups]
+    assert rows[3]["selected"] == "triton" and rows[2]["selected"] == "torch"
+    assert rows[0]["selected"] == "torch" and rows[0]["static"] == "triton"
+    text = bench.markdown(cells, probe, rows, bench.summarise(rows), "# header")
+    assert "| ragged 2 (max 17) |" in text and "| 4/2 | decode | eager | selected |" in text
+
+
+# ---- GPU (skipped without CUDA) ----
+
+class Syncing:
+    """torch's kernels plus a host sync in run: correct in eager mode, impossible to capture in a CUDA graph."""
+
+    name = "syncing"
+    version = "test"
+
+    def unsupported(self, spec, phase):
+        return None
+
+    def plan_prefill(self, spec, *args):
+        run = TORCH.plan_prefill(spec, *args)
+        return lambda q, k, v: run(q, k, v) if q.sum().item() is not None else None
+
+    def plan_decode(self, spec, *args):
+        run = TORCH.plan_decode(spec, *args)
+        return lambda q, k, v: run(q, k, v) if q.sum().item() is not None else None
+
+
+SYNCING = Syncing()
+GPU_SPEC = AttentionSpec(32, 8, 128, "bf16", 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_graph_mode_rejects_a_backend_that_cannot_be_captured(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:SYNCING")
+    eager = select(GPU_SPEC, prefill="syncing", decode="syncing", cache_dir=str(tmp_path))
+    assert eager.prefill == "syncing"  # valid in eager mode
+    with pytest.raises(SelectionError, match="requested explicitly but is rejected: cannot serve under CUDA graphs: "
+                                             "CUDA graph capture failed"):
+        select(GPU_SPEC, prefill="syncing", decode="torch", mode="graph", cache_dir=str(tmp_path))
+    auto = select(GPU_SPEC, mode="graph", policy="priority", prefill_priority=["syncing", "torch"],
+                  decode_priority=["syncing", "torch"], cache_dir=str(tmp_path))
+    assert auto.prefill == "torch" and auto.candidates["prefill"][0].status == "rejected"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_gpu_dispatch_table_serves_correct_outputs(tmp_path, mode):
+    from attnsel.validate import cases
+    from attnsel.validate.cases import check_output
+
+    sel = select(GPU_SPEC, mode=mode, cache_dir=str(tmp_path), prefill_priority=["triton", "torch"],
+                 decode_priority=["triton", "torch"])
+    for phase in ("prefill", "decode"):
+        table = sel.dispatch[phase]
+        assert table is not None and len(table.buckets) >= 4, phase
+        if phase == "decode":
+            assert table.axes == (("batch",) if mode == "graph" else ("batch", "context"))
+        assert all(min(b.spread.values()) < 1.0 for b in table.buckets)
+    dev = torch.device("cuda")
+    case = cases.make_case(GPU_SPEC, "decode", dev)
+    run = sel.plan_decode(case.page_table, case.seq_lens, int(case.seq_lens.max()))
+    assert check_output(GPU_SPEC, run(case.q, case.k_cache, case.v_cache), case)["status"] == "valid"
+    case = cases.make_case(GPU_SPEC, "prefill", dev)
+    run = sel.plan_prefill(case.cu_q, case.cu_k, case.max_q, case.max_k, case.q.shape[0])
+    assert check_output(GPU_SPEC, run(case.q, case.k, case.v), case)["status"] == "valid"
+    with pytest.raises(ValueError, match=r"^q: expected \[.*\] bf16 on cuda:0, got .* on cpu$"):
+        run(case.q.cpu(), case.k, case.v)
+    warm = select(GPU_SPEC, mode=mode, cache_dir=str(tmp_path), prefill_priority=["triton", "torch"],
+                  decode_priority=["triton", "torch"])
+    assert warm.cache == "hit" and warm.dispatch["decode"].to_json() == sel.dispatch["decode"].to_json()
+
+
+def test_decode_grid_shrinks_with_free_memory():
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")
+    full = timing.decode_grid(spec, cuda)
+    small = timing.decode_grid(spec, cuda, free_bytes=6 << 30)  # 6 GiB free: KV sets of at most 1 GiB
+    assert len(small) < len(full)
+    assert all(timing.decode_bytes(spec, b, c) <= 1 << 30 for _, b, c in small)
+    assert {(b, c) for _, b, c in small} <= {(b, c) for _, b, c in full}
+
+
+def test_candidates_validated_by_a_worker_that_died_are_still_timed(monkeypatch, caplog):
+    """triton decode passes in worker 1, then segfault_decode kills it; worker 2 cannot vouch for triton, so the
+    timing is run again with every valid candidate: the table covers triton and torch, and it is cached."""
+    import logging
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    kw = dict(prefill="torch", decode_priority=["triton", "segfault_decode", "torch"])
+    with caplog.at_level(logging.INFO):
+        sel = select(SPEC, **kw)
+    assert sel.stats["deaths"] == 1 and sel.stats["spawns"] == 3
+    table = sel.dispatch["decode"]
+    assert table is not None and all(set(b.times_us) == {"triton", "torch"} for b in table.buckets)
+    assert "timing decode again: triton were validated by an earlier worker" in caplog.text
+    assert "timing the decode candidates on the bucket grid" in caplog.text  # the progress line says what runs
+    again = select(SPEC, **kw)
+    assert again.stats["spawns"] == 0 and again.dispatch["decode"].to_json() == table.to_json()
+
+
+def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
+    grid = [(0, (1, 16)), (0, (4, 16)), (1, (2, 16))]
+    out = timing.measure(SPEC, "decode", ["torch"], torch.device("cpu"), "eager", budget_s=1e-9, reps=1, grid=grid)
+    assert [b["label"] for b in out["buckets"]] == ["1x16"]  # the first bucket always runs
+    assert out["skipped"] == ["4x16", "2x16"]
+    table = build_table(out, ["torch"])
+    assert table.skipped == ("4x16", "2x16") and table.backend_for((64, 10**5)) == "torch"
+    monkeypatch.setenv(timing.BUDGET_ENV, "-1")
+    with pytest.raises(ValueError, match="ATTNSEL_TIMING_BUDGET_S must be positive"):
+        select(SPEC)
+    with pytest.raises(ValueError, match="budget_s must be a positive number of seconds"):
+        select(SPEC, budget_s=0)
