@@ -92,7 +92,8 @@ class Wrapped:
 
     def __init__(self, name: str, before=None, after=None, **attrs):
         self.name, self.before, self.after = name, before, after
-        self.version = "test"
+        if not hasattr(type(self), "version"):
+            self.version = "test"
         for key, value in attrs.items():
             setattr(self, key, value)
 
