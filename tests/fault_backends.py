@@ -160,6 +160,12 @@ class _RaisingNote(Wrapped):
         raise RuntimeError("extras unavailable")
 
 
+def _device_assert(q, *rest):
+    """A real CUDA kernel fault: an out-of-range gather trips a device-side assert; the context stays broken."""
+    q.new_zeros(4)[torch.tensor([1 << 40], device=q.device)].sum().item()
+
+
+CUDA_FAULT = Wrapped("cuda_fault", before=_device_assert)
 NO_EXIT = Wrapped("noexit", after=_start_thread)
 OOM = Wrapped("oom", before=_oom)
 OOM_TIMING = Wrapped("oom_timing", before=_oom_while_timing)

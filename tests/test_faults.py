@@ -276,3 +276,35 @@ def test_interrupted_parent_leaves_no_worker_and_no_log(tmp_path, sig):
         proc.kill()
         if worker is not None and not _gone(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_real_cuda_fault_blames_only_its_candidate(monkeypatch):
+    """A real device-side assert breaks the CUDA context of the worker: the candidates after it run in a fresh
+    worker and are valid; the faulty one is rejected; the cache holds torch as valid."""
+    import torch
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:CUDA_FAULT")
+    spec = AttentionSpec(8, 2, 128, "bf16", 16)
+    sel = select(spec, policy="priority", prefill_priority=["cuda_fault", "torch"],
+                 decode_priority=["cuda_fault", "torch"], device=f"cuda:{torch.cuda.current_device()}")
+    for phase in ("prefill", "decode"):
+        cand = {c.name: c for c in sel.candidates[phase]}
+        assert cand["cuda_fault"].status == "rejected", cand["cuda_fault"]
+        assert cand["torch"].status == "selected", cand["torch"]
+        assert _cached()[("torch", phase)]["status"] == "valid"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fingerprint_and_capability_of_the_device_used():
+    import torch
+
+    from attnsel.device import capability_reason, fingerprint, resolve
+
+    here = f"cuda:{torch.cuda.current_device()}"
+    assert resolve("cuda") == here and fingerprint("cuda") == fingerprint(here)
+    assert fingerprint(here)["capability"] == "{}.{}".format(*torch.cuda.get_device_capability())
+    assert capability_reason(">= 8.0", lambda cap: True, torch.device("cpu")).endswith("got device cpu")
+    assert capability_reason(">= 8.0", lambda cap: True, torch.device(here)) is None

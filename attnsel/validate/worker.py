@@ -58,7 +58,7 @@ def probe(device: torch.device) -> str | None:
         err = (out - ref).abs().max().item()
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
-    if not err <= 1e-4:
+    if not err <= 1e-2:  # a broken context raises or gives garbage; TF32 left on by a library is no fault
         return f"a small SDPA differs from matmul + softmax by {err:.3g}"
     return None
 
