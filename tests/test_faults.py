@@ -78,7 +78,7 @@ def test_auto_falls_back_and_parent_is_unharmed(faulty):
     assert sel.prefill_source == sel.decode_source == "auto"
 
 
-def test_worker_respawned_only_after_deaths(faulty):
+def test_worker_respawned_only_after_faults(faulty):
     sel, _, spawns, _ = faulty
     deaths = 2 * len(DEATHS)
     assert sel.stats["deaths"] == deaths
