@@ -46,8 +46,8 @@ class Backend(Protocol):
     - ``unsupported(spec, phase, device=None)``: cheap check in the parent process; every reason it cannot serve,
       joined by "; " (or a list of reasons), or None. ``device: torch.device | None = None`` is the device the
       selection is for (check its capability, not the current device's); optional: a plugin whose ``unsupported``
-      takes only (spec, phase) is called without it. It must look at every spec field it does not implement (sliding_window, softcap, sinks, kv_dtype,
-      causal) and name it: a backend never ignores a feature.
+      takes only (spec, phase) is called without it. It must look at every spec field it does not implement
+      (sliding_window, softcap, sinks, kv_dtype, causal) and name it: a backend never ignores a feature.
     - ``plan_prefill(spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` -> ``run(q, k, v, *,
       sinks=None) -> out``: ragged prefill; q ``[total_q, num_q_heads, head_dim]``, k/v ``[total_k, num_kv_heads,
       head_dim]`` in ``spec.dtype``, cu_seqlens int32 ``[batch + 1]`` on the device; out like q. Sequences with

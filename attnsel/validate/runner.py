@@ -338,8 +338,9 @@ def run_tasks(spec: AttentionSpec, tasks: list[tuple[str, str]], *, device: str,
             name, phase = out.in_flight
             what = f"timing the {phase} candidates" if name == TIMING_TASK else f"running {name} {phase}"
             # A timeout may be a slow first JIT build that the next start finds done: not worth remembering.
-            state.results[out.in_flight] = {"status": "rejected", "reason": f"{cause} while {what}; stderr tail:\n{tail}",
-                                            "time_s": None, "transient": out.timed_out is not None}
+            state.results[out.in_flight] = {"status": "rejected", "time_s": None,
+                                            "reason": f"{cause} while {what}; stderr tail:\n{tail}",
+                                            "transient": out.timed_out is not None}
             state.remaining.remove(out.in_flight)
             _log_result(out.in_flight, state.results[out.in_flight])
             continue
