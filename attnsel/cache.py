@@ -1,6 +1,8 @@
 """Persistent cache of validation results: one JSON file, file lock, atomic replace, schema version.
 
-One entry per (device fingerprint, spec, backend, backend version, phase). Selections are derived from the entries,
+One entry per (device fingerprint, spec, backend, backend identity, phase); the fingerprint holds the device actually
+used, package versions, a hash of attnsel's sources and TRITON_INTERPRET (device.fingerprint), the identity the
+backend's version and a hash of its module's source (backends.availability). Selections are derived from the entries,
 so changing a priority list or an explicit choice needs no new validation. Timings are stored per mode
 ("eager", "graph") inside the entry.
 """
@@ -27,8 +29,8 @@ def default_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or platformdirs.user_cache_dir("attnsel"))
 
 
-def entry_key(fingerprint: dict, spec: dict, backend: str, version: str | None, phase: str) -> str:
-    blob = json.dumps({"device": fingerprint, "spec": spec, "backend": backend, "version": version, "phase": phase},
+def entry_key(fingerprint: dict, spec: dict, backend: str, identity: dict | str | None, phase: str) -> str:
+    blob = json.dumps({"device": fingerprint, "spec": spec, "backend": backend, "version": identity, "phase": phase},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

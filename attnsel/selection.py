@@ -532,20 +532,15 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
         raise ValueError("mode 'graph' needs a CUDA device (CUDA graphs); use mode 'eager' on the CPU")
     found: dict[tuple[str, str], Candidate] = {}
     keys: dict[tuple[str, str], str] = {}
-    versions: dict[tuple[str, str], str | None] = {}
+    versions: dict[tuple[str, str], dict | None] = {}
     for phase in PHASES:
         for name in names[phase]:
-            backend = backends.get(name)
-            try:
-                reason = backend.unsupported(spec, phase)
-            except Exception as exc:
-                log.exception("availability check of %s for %s raised", name, phase)
-                reason = f"availability check raised {type(exc).__name__}: {exc}"
+            reason, identity = backends.availability(backends.get(name), spec, phase, torch.device(device))
             if reason:
                 found[(name, phase)] = Candidate(name, "unavailable", reason)
             else:
-                versions[(name, phase)] = backends.version_of(backend)
-                keys[(name, phase)] = entry_key(fp, spec.to_dict(), name, versions[(name, phase)], phase)
+                versions[(name, phase)] = identity
+                keys[(name, phase)] = entry_key(fp, spec.to_dict(), name, identity, phase)
     # A dispatch table is timed where an automatic choice has more than one runnable candidate.
     timed = [p for p in PHASES if policy == "measure" and choices[p] == AUTO
              and sum((n, p) in keys for n in names[p]) > 1]
@@ -652,7 +647,7 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
                 cand.reason = f"no time in {count} bucket(s): {first}"
         key = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid])
         complete = all(any(n in b["us"] for b in done["buckets"]) for n in valid)
-        if cache and complete and phase in to_time:
+        if cache and complete and phase in to_time and not done.get("transient"):  # out of memory: not a fact
             cache.put_many({key: {"kind": "dispatch", "backend": "(dispatch table)", "phase": phase,
                                   "status": f"{len(table.buckets)} buckets", "mode": mode, "spec": spec.to_dict(),
                                   "device": fp.get("gpu") or "cpu", "candidates": valid, "measured": done}})

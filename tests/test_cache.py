@@ -107,3 +107,64 @@ def test_clear():
     select(SPEC, policy="priority")
     assert ResultCache().clear() == 4
     assert select(SPEC, policy="priority").cache == "miss"
+
+
+# ---- the key changes when what a verdict depends on changes (issue 9 item 11) -------------------------------------
+
+def test_package_hash_follows_attnsel_sources(tmp_path):
+    """A changed Triton kernel (any attnsel source) changes the fingerprint, so its old verdict is not served."""
+    import shutil
+
+    from attnsel.device import PACKAGE_ROOT, fingerprint, package_hash
+
+    copy = tmp_path / "attnsel"
+    shutil.copytree(PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert package_hash(copy) == package_hash() == fingerprint("cpu")["attnsel_source"]
+    kernels = copy / "backends" / "triton" / "kernels.py"
+    kernels.write_text(kernels.read_text().replace("tl.dot", "tl.dot ", 1))
+    assert package_hash(copy) != package_hash()
+
+
+def test_triton_interpret_is_part_of_the_key(monkeypatch):
+    prio = dict(policy="priority", prefill_priority=["torch"], decode_priority=["torch"])
+    assert select(SPEC, **prio).cache == "miss"
+    assert select(SPEC, **prio).cache == "hit"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert select(SPEC, **prio).cache == "miss"
+
+
+PLUGIN = """
+from tests.fault_backends import Wrapped
+
+
+class Plugin(Wrapped):
+    pass
+
+
+BACKEND = Plugin("srcplug")
+"""
+
+
+def test_plugin_source_change_invalidates_its_verdict(tmp_path, monkeypatch):
+    """A plugin whose module file changed (same version string) is validated again; the others come from cache."""
+    (tmp_path / "attnsel_src_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ['PYTHONPATH']}")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "attnsel_src_plugin:BACKEND")
+    prio = dict(policy="priority", prefill_priority=["srcplug", "torch"], decode_priority=["torch"])
+    assert select(SPEC, **prio).cache == "miss"
+    assert select(SPEC, **prio).cache == "hit"
+    with open(tmp_path / "attnsel_src_plugin.py", "a") as fh:
+        fh.write("# a changed kernel\n")
+    sel = select(SPEC, **prio)
+    assert sel.cache == "miss"
+    cands = {c.name: c for c in sel.candidates["prefill"]}
+    assert not cands["srcplug"].from_cache and cands["torch"].from_cache
+
+
+def test_fingerprint_is_of_the_device_used():
+    from attnsel.device import fingerprint, resolve
+
+    assert resolve("cpu") == "cpu"
+    fp = fingerprint("cpu")
+    assert fp["gpu"] is None and fp["triton_interpret"] == __import__("os").environ.get("TRITON_INTERPRET", "")

@@ -1,13 +1,23 @@
-"""Fault matrix: real faults in plugin backends, each in prefill and in decode, all in one auto selection."""
+"""Fault matrix: real faults in plugin backends, each in prefill and in decode, all in one auto selection; then
+the faults about the machine (failed start, out of memory, a case that cannot be built), a worker that will not
+exit, and a parent interrupted mid-selection."""
 import logging
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
 from attnsel import select
+from attnsel.cache import ResultCache
+from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
 from attnsel.validate import runner
-from tests.fault_backends import FAULTS
+from tests.fault_backends import BROKEN_CONTEXT, FAULTS
 
 TIMEOUT = 8.0
 SPEC = AttentionSpec(4, 2, 64, "fp32", page_size=4)
@@ -19,15 +29,19 @@ EXPECTED = {
     "hang": f"timed out after {TIMEOUT:.0f} s (worker killed) while running hang_{{phase}} {{phase}}",
     "nan": "output values are NaN or inf",
     "wrong": "exceeds tolerance",
+    "sticky": f"raised RuntimeError: {BROKEN_CONTEXT}",
+    "poison": "the process could not compute after it ran",
 }
 DEATHS = ("segfault", "abort", "hang")
+RESTARTS = ("import_error", "raise", "sticky", "poison")  # the worker survives, but is not trusted afterwards
 
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
-    mp.setenv("ATTNSEL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    cache_dir = tmp_path_factory.mktemp("cache")
+    mp.setenv("ATTNSEL_CACHE_DIR", str(cache_dir))
     order = {p: [f"{f}_{p}" for f in FAULTS] + ["torch"] for p in ("prefill", "decode")}
     spawns_before = runner.spawn_count
     t0 = time.monotonic()
@@ -35,20 +49,20 @@ def faulty(tmp_path_factory):
                  timeout=TIMEOUT)
     elapsed = time.monotonic() - t0
     mp.undo()
-    return sel, elapsed, runner.spawn_count - spawns_before
+    return sel, elapsed, runner.spawn_count - spawns_before, ResultCache(cache_dir).entries()
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault_is_rejected_with_its_reason(faulty, fault, phase):
-    sel, _, _ = faulty
+    sel, *_ = faulty
     cand = {c.name: c for c in sel.candidates[phase]}[f"{fault}_{phase}"]
     assert cand.status == "rejected"
     assert EXPECTED[fault].format(phase=phase) in cand.reason
 
 
 def test_death_reasons_carry_the_stderr_tail(faulty):
-    sel, _, _ = faulty
+    sel, *_ = faulty
     cands = {c.name: c for c in sel.candidates["prefill"]}
     # faulthandler in the worker prints the Python stack of the crash to stderr
     assert "stderr tail:" in cands["segfault_prefill"].reason
@@ -59,22 +73,34 @@ def test_death_reasons_carry_the_stderr_tail(faulty):
 
 
 def test_auto_falls_back_and_parent_is_unharmed(faulty):
-    sel, _, _ = faulty
+    sel, *_ = faulty
     assert (sel.prefill, sel.decode) == ("torch", "torch")
     assert sel.prefill_source == sel.decode_source == "auto"
 
 
-def test_worker_respawned_only_after_deaths(faulty):
-    sel, _, spawns = faulty
+def test_worker_respawned_only_after_faults(faulty):
+    sel, _, spawns, _ = faulty
     deaths = 2 * len(DEATHS)
     assert sel.stats["deaths"] == deaths
-    assert spawns == sel.stats["spawns"] == deaths + 1
+    assert spawns == sel.stats["spawns"] == deaths + 2 * len(RESTARTS) + 1
 
 
 def test_total_time_bounded_by_timeouts(faulty):
-    _, elapsed, spawns = faulty
+    _, elapsed, spawns, _ = faulty
     # two hangs cost a timeout each; every other spawn costs a torch import (a few seconds on CPU)
     assert elapsed < 2 * TIMEOUT + spawns * 15
+
+
+def test_a_broken_process_blames_no_later_candidate(faulty):
+    """sticky/poison break the process as a CUDA fault breaks a context: every later call there raises. The next
+    candidates run in a fresh worker, torch is valid in both phases, and that is what the cache holds."""
+    sel, _, _, entries = faulty
+    verdicts = {(e["backend"], e["phase"]): e["status"] for e in entries.values() if "backend" in e}
+    for phase in ("prefill", "decode"):
+        assert {c.name: c.status for c in sel.candidates[phase]}["torch"] == "selected"
+        assert verdicts[("torch", phase)] == "valid"
+        assert verdicts[(f"sticky_{phase}", phase)] == verdicts[(f"poison_{phase}", phase)] == "rejected"
+    assert not any("could not build" in e.get("reason", "") for e in entries.values())
 
 
 def test_timeouts_are_not_cached_but_crashes_are(monkeypatch):
@@ -102,3 +128,183 @@ def test_rejections_are_logged(tmp_path, monkeypatch, caplog):
     text = caplog.text
     assert "raise_prefill prefill: rejected: raised RuntimeError: injected failure" in text
     assert "nan_decode decode: rejected" in text
+
+
+# ---- faults about the machine: reported, retried once, never cached --------------------------------------------
+
+PRIO = dict(policy="priority", prefill_priority=["torch"], decode_priority=["torch"])
+
+
+def _cached() -> dict:
+    return {(e["backend"], e["phase"]): e for e in ResultCache().entries().values() if "backend" in e}
+
+
+def test_failed_start_is_retried_once_and_not_cached(tmp_path, monkeypatch):
+    """A worker that exits before "ready" (here: a plugin import kills it) is about the machine: the first failure
+    is retried; two in a row reject the tasks as transient, nothing is cached, and the next selection works
+    without `attnsel cache clear`."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_start:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_TEST_FAIL_START", "3")
+    monkeypatch.setenv("ATTNSEL_TEST_FAIL_START_COUNT", str(tmp_path / "starts"))
+    with pytest.raises(SelectionError) as err:
+        select(SPEC, **PRIO)
+    cand = err.value.selection.candidates["prefill"][0]
+    assert cand.status == "rejected"
+    assert "validation worker failed before it was ready: worker exited with code 17" in cand.reason
+    assert "not cached" in cand.reason
+    assert _cached() == {}
+    sel = select(SPEC, **PRIO)  # third start fails too, its retry works
+    assert sel.stats["spawns"] == 2 and sel.stats["deaths"] == 1
+    assert (sel.prefill, sel.decode) == ("torch", "torch")
+    assert {k: e["status"] for k, e in _cached().items()} == {("torch", "prefill"): "valid",
+                                                              ("torch", "decode"): "valid"}
+
+
+def test_case_that_cannot_be_built_blames_no_candidate(tmp_path, monkeypatch):
+    """make_case failing is attnsel's or the machine's fault: retried in a fresh worker, never blamed on the
+    candidate about to run; failing twice rejects that phase's tasks as transient (not cached)."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_case:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE_COUNT", str(tmp_path / "cases"))
+    monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE", "1")
+    sel = select(SPEC, **PRIO)
+    assert (sel.prefill, sel.decode) == ("torch", "torch")
+    assert _cached()[("torch", "decode")]["status"] == "valid"
+    ResultCache().clear()
+    monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE", "3")
+    with pytest.raises(SelectionError) as err:
+        select(SPEC, **PRIO)
+    cand = err.value.selection.candidates["decode"][0]
+    assert cand.status == "rejected"
+    assert "could not build the decode validation case: RuntimeError: injected case failure" in cand.reason
+    assert "not cached" in cand.reason
+    assert set(_cached()) == {("torch", "prefill")}
+
+
+def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM")
+    before = runner.spawn_count
+    sel = select(SPEC, policy="priority", prefill_priority=["oom", "torch"], decode_priority=["torch"])
+    cand = sel.candidates["prefill"][0]
+    assert cand.status == "rejected" and "OutOfMemoryError" in cand.reason
+    assert "out of memory in two workers" in cand.reason
+    assert runner.spawn_count - before == 3  # oom, oom again in a fresh worker, then the rest
+    assert sel.prefill == "torch"
+    assert ("oom", "prefill") not in _cached() and _cached()[("torch", "prefill")]["status"] == "valid"
+
+
+def test_out_of_memory_while_timing_is_retried_and_not_cached(monkeypatch, caplog):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM_TIMING")
+    with caplog.at_level(logging.WARNING, logger="attnsel"):
+        sel = select(SPEC, policy="measure", prefill_priority=["oom_timing", "torch"], decode_priority=["torch"])
+    assert "@timing prefill: out of memory" in caplog.text and "retrying once in a fresh worker" in caplog.text
+    assert sel.prefill in ("oom_timing", "torch")
+    kinds = [e.get("kind") for e in ResultCache().entries().values()]
+    assert "dispatch" not in kinds  # a table with an out-of-memory hole is not remembered
+
+
+def test_worker_that_cannot_exit_is_killed_after_done(monkeypatch):
+    """A library leaves a non-daemon thread: the worker cannot exit. Once "done" arrives it is killed, far below
+    the validation timeout."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NO_EXIT")
+    t0 = time.monotonic()
+    sel = select(SPEC, policy="priority", prefill_priority=["noexit", "torch"], decode_priority=["torch"],
+                 timeout=60.0)
+    elapsed = time.monotonic() - t0
+    assert sel.prefill == "noexit" and sel.stats["spawns"] == 1
+    assert elapsed < 25, elapsed
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if "attnsel.validate.worker" in " ".join(p.cmdline())]
+    assert workers == []
+
+
+def test_worker_path_reports_input_mutation(monkeypatch):
+    """A candidate that writes into its inputs after computing its output is rejected (cases.run_case's input
+    check, helper "correctness"), and the next candidate gets the case intact."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:MUTATE")
+    sel = select(SPEC, policy="priority", prefill_priority=["mutate", "torch"], decode_priority=["mutate", "torch"])
+    for phase in ("prefill", "decode"):
+        cand = {c.name: c for c in sel.candidates[phase]}
+        assert cand["mutate"].status == "rejected" and "changed its input" in cand["mutate"].reason
+        assert cand["torch"].status == "selected"
+
+
+_INTERRUPTED = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+from attnsel import select
+from attnsel.spec import AttentionSpec
+select(AttentionSpec(4, 2, 64, "fp32", page_size=4), policy="priority", prefill_priority=["hang_prefill", "torch"],
+       decode_priority=["torch"], timeout=300)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_parent_leaves_no_worker_and_no_log(tmp_path, sig):
+    """Ctrl-C (SIGINT) or SIGTERM to the selecting process while a candidate runs: the worker is killed (and, for
+    SIGINT, reaped by the parent) and no attnsel-worker-*.log is left in the temp directory."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), ATTNSEL_BACKENDS="tests.fault_backends:ALL")
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED], env=env, stderr=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            match = re.search(r"validation worker 1 started \(pid (\d+)\)", line)
+            if match:
+                worker = int(match.group(1))
+            if "validating hang_prefill prefill" in line:
+                break
+        assert worker is not None, "".join(lines)
+        time.sleep(0.5)  # inside the candidate's sleep
+        proc.send_signal(sig)
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 10
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker)
+        assert list(tmp.glob("attnsel-worker-*")) == []
+    finally:
+        proc.kill()
+        if worker is not None and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_real_cuda_fault_blames_only_its_candidate(monkeypatch):
+    """A real device-side assert breaks the CUDA context of the worker: the candidates after it run in a fresh
+    worker and are valid; the faulty one is rejected; the cache holds torch as valid."""
+    import torch
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:CUDA_FAULT")
+    spec = AttentionSpec(8, 2, 128, "bf16", 16)
+    sel = select(spec, policy="priority", prefill_priority=["cuda_fault", "torch"],
+                 decode_priority=["cuda_fault", "torch"], device=f"cuda:{torch.cuda.current_device()}")
+    for phase in ("prefill", "decode"):
+        cand = {c.name: c for c in sel.candidates[phase]}
+        assert cand["cuda_fault"].status == "rejected", cand["cuda_fault"]
+        assert cand["torch"].status == "selected", cand["torch"]
+        assert _cached()[("torch", phase)]["status"] == "valid"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fingerprint_and_capability_of_the_device_used():
+    import torch
+
+    from attnsel.device import capability_reason, fingerprint, resolve
+
+    here = f"cuda:{torch.cuda.current_device()}"
+    assert resolve("cuda") == here and fingerprint("cuda") == fingerprint(here)
+    assert fingerprint(here)["capability"] == "{}.{}".format(*torch.cuda.get_device_capability())
+    assert capability_reason(">= 8.0", lambda cap: True, torch.device("cpu")).endswith("got device cpu")
+    assert capability_reason(">= 8.0", lambda cap: True, torch.device(here)) is None

@@ -1,5 +1,6 @@
 """Registry: built-ins, plugins from the environment, broken plugins, unknown names."""
 import pytest
+import torch
 
 from attnsel import backends, select
 from attnsel.backends import UnknownBackendError
@@ -68,3 +69,86 @@ def test_flashinfer_stale_run_function_raises():
     assert second(1) == 3
     with pytest.raises(RuntimeError, match="belongs to an earlier plan"):
         first(1)
+
+
+# ---- plugin code called in the parent never aborts a selection (issue 9 item 10) ----------------------------------
+
+def test_availability_turns_plugin_errors_into_reasons():
+    from tests.fault_backends import BAD_NOTE, BAD_VERSION
+
+    spec = AttentionSpec(4, 2, 64, "fp16")
+    reason, identity = backends.availability(BAD_VERSION, spec, "prefill", torch.device("cpu"))
+    assert reason == "version raised RuntimeError: cannot read the kernel library's version" and identity is None
+
+    class Raises(BAD_NOTE.__class__):
+        def unsupported(self, spec, phase):
+            raise KeyError("boom")
+
+    reason, _ = backends.availability(Raises("raises"), spec, "prefill", torch.device("cpu"))
+    assert reason == "availability check raised KeyError: 'boom'"
+
+    class Lists(BAD_NOTE.__class__):
+        def unsupported(self, spec, phase):
+            return ["no sinks", None, "no softcap"]
+
+    assert backends.availability(Lists("lists"), spec, "prefill")[0] == "no sinks; no softcap"
+    assert backends.first_use_note(BAD_NOTE) == "first_use_note raised RuntimeError: note unavailable"
+    assert backends.report_extras(BAD_NOTE) == {"error": "report_extras raised RuntimeError: extras unavailable"}
+    assert backends.first_use_note(backends.get("torch")) == "" and backends.report_extras(backends.get("torch")) == {}
+
+
+def test_raising_version_and_note_do_not_abort_the_selection(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:BAD_VERSION,tests.fault_backends:BAD_NOTE")
+    spec = AttentionSpec(4, 2, 64, "fp16")
+    with caplog.at_level(logging.INFO, logger="attnsel"):
+        sel = select(spec, policy="priority", prefill_priority=["bad_version", "bad_note", "torch"],
+                     decode_priority=["torch"])
+    cand = {c.name: c for c in sel.candidates["prefill"]}
+    assert cand["bad_version"].status == "unavailable"
+    assert cand["bad_version"].reason == "version raised RuntimeError: cannot read the kernel library's version"
+    assert sel.prefill == "bad_note"  # its failing note is shown, not fatal
+    assert "validating bad_note prefill (first_use_note raised RuntimeError: note unavailable)" in caplog.text
+
+
+def test_first_use_note_comes_from_the_backend(monkeypatch):
+    """The progress line's note is the backend's own first_use_note (no backend knowledge in the runner)."""
+    from attnsel.validate import runner
+    from tests.fault_backends import Wrapped
+
+    noted = Wrapped("noted", first_use_note="first use JIT-compiles kernels (test)")
+    monkeypatch.setattr(backends, "get", lambda name: noted)
+    assert runner._note("noted") == "first use JIT-compiles kernels (test)"
+    assert not hasattr(runner, "SLOW_FIRST_USE")
+
+
+# ---- the device a selection is for reaches the availability check (issue 9 item 11) -------------------------------
+
+def test_unsupported_gets_the_device_keyword_when_it_takes_it():
+    from tests.fault_backends import DEVICE_AWARE, OOM
+
+    spec = AttentionSpec(4, 2, 64, "fp16")
+    DEVICE_AWARE.seen.clear()
+    assert backends.availability(DEVICE_AWARE, spec, "decode", torch.device("cpu"))[0] is None
+    assert DEVICE_AWARE.seen == [torch.device("cpu")]
+    assert backends.availability(OOM, spec, "decode", torch.device("cpu"))[0] is None  # (spec, phase) plugins
+
+
+def test_selection_checks_the_device_it_selects_for(monkeypatch):
+    from tests.fault_backends import DEVICE_AWARE
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:DEVICE_AWARE")
+    DEVICE_AWARE.seen.clear()
+    backends._cache.clear()
+    sel = select(AttentionSpec(4, 2, 64, "fp16"), policy="priority", prefill_priority=["device_aware"],
+                 decode_priority=["torch"], device="cpu")
+    assert sel.prefill == "device_aware"
+    assert backends.get("device_aware").seen == [torch.device("cpu")]
+
+
+def test_capability_reason_checks_the_given_device():
+    from attnsel.device import capability_reason
+
+    reason = capability_reason(">= 8.0", lambda cap: cap >= (8, 0), torch.device("cpu"))
+    assert reason == "needs a CUDA device with compute capability >= 8.0, got device cpu"

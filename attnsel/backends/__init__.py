@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import os
 import re
+import sys
+from pathlib import Path
 from typing import Callable, Literal, Protocol, runtime_checkable
 
 import torch
 
+from ..device import source_hash
 from ..spec import AttentionSpec
 
 log = logging.getLogger(__name__)
@@ -39,9 +43,11 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 class Backend(Protocol):
     """What a backend (built-in or plugin) implements (docs/ARCHITECTURE.md, "Backend protocol").
 
-    - ``unsupported(spec, phase)``: cheap check in the parent process; every reason it cannot serve, joined by "; ",
-      or None. It must look at every spec field it does not implement (sliding_window, softcap, sinks, kv_dtype,
-      causal) and name it: a backend never ignores a feature.
+    - ``unsupported(spec, phase, device=None)``: cheap check in the parent process; every reason it cannot serve,
+      joined by "; " (or a list of reasons), or None. ``device: torch.device | None = None`` is the device the
+      selection is for (check its capability, not the current device's); optional: a plugin whose ``unsupported``
+      takes only (spec, phase) is called without it. It must look at every spec field it does not implement
+      (sliding_window, softcap, sinks, kv_dtype, causal) and name it: a backend never ignores a feature.
     - ``plan_prefill(spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` -> ``run(q, k, v, *,
       sinks=None) -> out``: ragged prefill; q ``[total_q, num_q_heads, head_dim]``, k/v ``[total_k, num_kv_heads,
       head_dim]`` in ``spec.dtype``, cu_seqlens int32 ``[batch + 1]`` on the device; out like q. Sequences with
@@ -57,8 +63,11 @@ class Backend(Protocol):
     - Run-time feature inputs: ``sinks`` float32 ``[num_q_heads]`` when ``spec.sinks``; ``k_scale``/``v_scale``
       float32 one-element tensors when ``spec.kv_dtype`` is set (real value = stored value * scale).
     Plan runs once per batch (host work allowed); run is what every layer calls: no host sync, inputs unchanged.
-    Optional attributes: ``version`` (str or callable; part of the cache key), ``first_use_note`` (str shown while a
-    slow first use runs, e.g. a JIT build), ``report_extras()`` (dict of facts for reports, e.g. a JIT cache path).
+    Optional attributes: ``version`` (str or callable; part of the cache key, with a hash of the source file of the
+    backend's module), ``first_use_note`` (str shown while a slow first use runs, e.g. a JIT build),
+    ``report_extras()`` (dict of facts for reports, e.g. a JIT cache path). The parent reads all of them through
+    ``availability``, ``first_use_note`` and ``report_extras`` below, which turn anything a plugin raises into a
+    reason instead of aborting the selection.
     """
 
     name: str
@@ -164,6 +173,82 @@ def get(name: str) -> Backend:
 
 
 def version_of(backend: Backend) -> str | None:
-    """Version a backend reports (part of the cache key), e.g. its kernel library's version."""
+    """Version a backend reports (part of the cache key), e.g. its kernel library's version. Raises what it raises."""
     version = getattr(backend, "version", None)
     return version() if callable(version) else version
+
+
+def source_files(backend: Backend) -> list[Path]:
+    """The source files of the module defining the backend's class (a package: all its .py files); [] if unknown."""
+    module = sys.modules.get(type(backend).__module__)
+    file = getattr(module, "__file__", None)
+    if not file or not os.path.isfile(file):
+        return []
+    path = Path(file).resolve()
+    if path.name == "__init__.py":
+        return [p for p in path.parent.rglob("*.py") if "__pycache__" not in p.parts]
+    return [path]
+
+
+def _takes_device(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: call it the old way
+        return False
+    return any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _one_reason(reason) -> str | None:
+    if isinstance(reason, (list, tuple)):
+        return "; ".join(str(r) for r in reason if r) or None
+    return str(reason) if reason else None
+
+
+def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
+                 device: torch.device | None = None) -> tuple[str | None, dict | None]:
+    """(reason the backend cannot serve (spec, phase) on ``device``, None) or (None, its cache identity: version
+    and source hash). Never raises: whatever the backend's code raises becomes the reason ("unavailable")."""
+    try:
+        check = backend.unsupported
+        reason = _one_reason(check(spec, phase, device=device) if device is not None and _takes_device(check)
+                             else check(spec, phase))
+    except Exception as exc:
+        log.exception("availability check of %s for %s raised", getattr(backend, "name", backend), phase)
+        return f"availability check raised {type(exc).__name__}: {exc}", None
+    if reason:
+        return reason, None
+    try:
+        version = version_of(backend)
+    except Exception as exc:
+        log.exception("version of %s raised", backend.name)
+        return f"version raised {type(exc).__name__}: {exc}", None
+    try:
+        files = source_files(backend)
+        source = source_hash(files) if files else None
+    except OSError as exc:
+        log.warning("source of %s unreadable (%s); keyed on its version only", backend.name, exc)
+        source = None
+    return None, {"version": version, "source": source}
+
+
+def first_use_note(backend: Backend) -> str:
+    """The backend's ``first_use_note`` ("" if none); a failing attribute gives a note saying so, never an error."""
+    try:
+        note = getattr(backend, "first_use_note", "")
+    except Exception as exc:
+        log.warning("first_use_note of %s raised %s: %s", backend.name, type(exc).__name__, exc)
+        return f"first_use_note raised {type(exc).__name__}: {exc}"
+    return note if isinstance(note, str) else ""
+
+
+def report_extras(backend: Backend) -> dict:
+    """The backend's ``report_extras()`` ({} if none); if it raises or returns no dict: {"error": reason}."""
+    try:
+        extras = getattr(backend, "report_extras", None)
+        value = extras() if callable(extras) else {}
+    except Exception as exc:
+        log.warning("report_extras of %s raised %s: %s", backend.name, type(exc).__name__, exc)
+        return {"error": f"report_extras raised {type(exc).__name__}: {exc}"}
+    if not isinstance(value, dict):
+        return {"error": f"report_extras returned {type(value).__name__}, expected a dict"}
+    return value
