@@ -185,9 +185,10 @@ class TorchBackend:
             if not fp8 and (k_scale is not None or v_scale is not None):
                 raise ValueError("k_scale/v_scale were passed but the spec has no fp8 KV cache (kv_dtype=None)")
             kvh, d = k_cache.shape[-2:]
-            zero = torch.zeros((), dtype=q.dtype, device=q.device)
-            k = torch.where(owned, dequantised(k_cache.reshape(-1, kvh, d)[slots], k_scale, q.dtype), zero)
-            v = torch.where(owned, dequantised(v_cache.reshape(-1, kvh, d)[slots], v_scale, q.dtype), zero)
+            dtype = torch.float32 if use_math else q.dtype  # the math path computes in float32 anyway
+            zero = torch.zeros((), dtype=dtype, device=q.device)
+            k = torch.where(owned, dequantised(k_cache.reshape(-1, kvh, d)[slots], k_scale, dtype), zero)
+            v = torch.where(owned, dequantised(v_cache.reshape(-1, kvh, d)[slots], v_scale, dtype), zero)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KVH, W, D]
             if use_math:
                 return attend_math(q[:, :, None], k, v, scale, mask=mask, softcap=spec.softcap, sinks=sinks)[:, :, 0]
