@@ -256,3 +256,34 @@ def test_torch_decode_captures_in_a_cuda_graph(feature):
     torch.cuda.synchronize()
     result = cases.check_output(spec, out, case)
     assert result["status"] == "valid", result["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("batch,ctx,window", [(64, 4096, None), (256, 1024, None), (64, 4096, 512)])
+def test_torch_decode_speed_vs_the_old_decode(batch, ctx, window, capsys):
+    """Gathering only owned slots and zeroing the rest costs little against the old decode (which read up to the
+    longest sequence through unused page-table columns); with a window the new one reads only the window. Prints
+    the times (and appends them to $ATTNSEL_GPU_RESULTS); fails only on a gross regression (> 1.5x)."""
+    import json
+    import os
+
+    from attnsel.validate.timing import bench, make_decode_workload
+    from tests.fault_numerics import old_torch_plan_decode
+
+    device = torch.device("cuda")
+    spec = AttentionSpec(32, 8, 128, "bf16", page_size=16, sliding_window=window)
+    load = make_decode_workload(spec, device, "speed", batch, ctx)
+    new = TORCH.plan_decode(spec, *load.plan_args)
+    new_us = bench(lambda: new(*load.inputs), device) * 1e6
+    old_spec = AttentionSpec(32, 8, 128, "bf16", page_size=16)  # the old decode has no window: full context
+    old = old_torch_plan_decode(old_spec, *load.plan_args)
+    old_us = bench(lambda: old(*load.inputs), device) * 1e6
+    row = {"test": "torch_decode_speed", "batch": batch, "ctx": ctx, "window": window, "new_us": new_us,
+           "old_us": old_us}
+    with capsys.disabled():
+        print(json.dumps(row))
+    if os.environ.get("ATTNSEL_GPU_RESULTS"):
+        with open(os.environ["ATTNSEL_GPU_RESULTS"], "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    assert new_us <= 1.5 * old_us

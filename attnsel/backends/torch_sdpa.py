@@ -2,9 +2,9 @@
 
 Plain attention (and sliding windows, as a mask) runs through SDPA in the activation dtype; softcap and sinks, which
 SDPA does not take, run through a plain float32 softmax, chunked over queries to bound memory. Decode gathers per
-sequence only the slots it owns (the window's slots with a sliding window): indices past a sequence are replaced by
-a valid slot at plan time and the values read there are zeroed with torch.where, so garbage, NaN or out-of-range
-page-table entries past a sequence never reach the arithmetic; zero-length rows give zeros.
+sequence only the slots it owns (only the window's with a sliding window): positions past a sequence's end are
+pointed at plan time at the sequence's own first token and masked, so garbage, NaN or out-of-range page-table
+entries past a sequence are never read; zero-length rows give zeros.
 """
 from __future__ import annotations
 
@@ -162,16 +162,20 @@ class TorchBackend:
         device = page_table.device
         t = torch.arange(max(counts, default=0) or 1, device=device)
         count = torch.tensor(counts, dtype=torch.long, device=device)[:, None]
-        pos = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + t  # [B, W] token positions
-        owned = t < count  # slots the sequence owns (in its window)
+        start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
+        owned = t < count  # [B, W]: the slots of the sequence (of its window)
+        live = count > 0
+        # Positions past a sequence's end repeat its first token (its own, finite data, masked out), so neither a
+        # page-table entry past the sequence nor an unused slot is ever read. Zero-length rows read slot 0 and their
+        # output is replaced by zeros.
+        pos = torch.where(owned, start + t, start)
         if page_table.shape[1]:
-            page = page_table.long().gather(1, torch.where(owned, pos // ps, 0))
+            page = page_table.long().gather(1, torch.where(live, pos // ps, 0))
         else:  # no pages at all: every row has length 0
             page = torch.zeros_like(pos)
-        slots = torch.where(owned, page, 0) * ps + pos % ps  # never a page-table entry past the sequence
-        # A zero-length row sees its W zeroed keys and values: output exactly zero, no NaN from an empty softmax.
-        mask = (owned | (count == 0))[:, None, None, :]  # [B, 1, 1, W]
-        owned = owned[:, :, None, None]  # [B, W, 1, 1]
+        slots = torch.where(live, page * ps + pos % ps, 0)  # [B, W] flat slots
+        mask = (owned | ~live)[:, None, None, :]  # [B, 1, 1, W]
+        live = live[:, :, None]  # [B, 1, 1]
         scale = spec.scale
         use_math = spec.softcap is not None or spec.sinks
         fp8 = spec.kv_dtype is not None
@@ -186,13 +190,13 @@ class TorchBackend:
                 raise ValueError("k_scale/v_scale were passed but the spec has no fp8 KV cache (kv_dtype=None)")
             kvh, d = k_cache.shape[-2:]
             dtype = torch.float32 if use_math else q.dtype  # the math path computes in float32 anyway
-            zero = torch.zeros((), dtype=dtype, device=q.device)
-            k = torch.where(owned, dequantised(k_cache.reshape(-1, kvh, d)[slots], k_scale, dtype), zero)
-            v = torch.where(owned, dequantised(v_cache.reshape(-1, kvh, d)[slots], v_scale, dtype), zero)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KVH, W, D]
+            k = dequantised(k_cache.reshape(-1, kvh, d)[slots], k_scale, dtype).transpose(1, 2)  # [B, KVH, W, D]
+            v = dequantised(v_cache.reshape(-1, kvh, d)[slots], v_scale, dtype).transpose(1, 2)
             if use_math:
-                return attend_math(q[:, :, None], k, v, scale, mask=mask, softcap=spec.softcap, sinks=sinks)[:, :, 0]
-            return sdpa(q[:, :, None], k, v, scale, mask=mask)[:, :, 0]
+                out = attend_math(q[:, :, None], k, v, scale, mask=mask, softcap=spec.softcap, sinks=sinks)
+            else:
+                out = sdpa(q[:, :, None], k, v, scale, mask=mask)
+            return torch.where(live, out[:, :, 0], torch.zeros((), dtype=out.dtype, device=out.device))
 
         return run
 
