@@ -41,7 +41,7 @@ def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     kvh, lk = k.shape[1], k.shape[2]
     group = heads // kvh
     kf, vf = k.float()[:, :, None], v.float()[:, :, None]  # [B, KVH, 1, Lk, D]
-    sink = sinks.float().view(1, kvh, group, 1, 1) if sinks is not None else None
+    sink = sinks.float().reshape(1, kvh, group, 1, 1) if sinks is not None else None
     step = max(1, MATH_CHUNK_ELEMS // max(1, b * heads * lk))
     out = torch.empty_like(q)
     for s0 in range(0, lq, step):

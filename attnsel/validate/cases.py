@@ -33,8 +33,8 @@ FP8_GARBAGE = 448.0  # the largest finite e4m3 value (e4m3fn has no inf)
 # fp8 KV case: stored value = real value / scale (real values ~ N(0, 1), stored ~ N(0, 1 / scale)); two different
 # scales, not 1, so a backend that ignores or swaps them is caught.
 K_SCALE, V_SCALE = 0.35, 0.6
-# Sink logits per head (cycled), in units of the logits' spread: large ones dominate the denominator, small ones
-# barely matter, so a backend that ignores or misplaces sinks is caught on some heads.
+# Sink logits per head (cycled), in units of the logits' spread (softcap / 10 with a softcap): large ones dominate the
+# denominator, small ones barely matter, so a backend that ignores or misplaces sinks is caught on some heads.
 SINK_VALUES = (6.0, -4.0, 1.5, 0.0, 9.0, -9.0, 3.0)
 # With a softcap the queries are scaled so that logits reach about SOFTCAP_LOGITS x softcap: capping matters.
 SOFTCAP_LOGITS = 1.0
@@ -179,10 +179,12 @@ def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref).abs().max().item()
 
 
-def _sinks(spec: AttentionSpec, logit_std: float) -> torch.Tensor | None:
+def _sinks(spec: AttentionSpec) -> torch.Tensor | None:
+    """Sink logits per head, in the range of the case's logits (unit spread; with a softcap, within +-softcap)."""
     if not spec.sinks:
         return None
-    values = [SINK_VALUES[h % len(SINK_VALUES)] * logit_std for h in range(spec.num_q_heads)]
+    unit = spec.softcap / 10 if spec.softcap is not None else 1.0
+    values = [SINK_VALUES[h % len(SINK_VALUES)] * unit for h in range(spec.num_q_heads)]
     return torch.tensor(values, dtype=torch.float32)
 
 
@@ -242,7 +244,7 @@ def prefill_case(spec: AttentionSpec, device: torch.device, seed: int = 0) -> Pr
     seqs = [_sequence(spec, gen, a, b, i >= len(lq) - boundary, dt, None)
             for i, (a, b) in enumerate(zip(lq, lk))]
     q, k, v = (torch.cat([s[i] for s in seqs]).to(device) for i in range(3))
-    sinks = _sinks(spec, max(_query_boost(spec), 1.0))
+    sinks = _sinks(spec)
     sinks = sinks.to(device) if sinks is not None else None
     cu_q, cu_k = cumulative(lq, device), cumulative(lk, device)
     ref = torch.empty(q.shape, dtype=torch.float32, device=device)
@@ -291,7 +293,7 @@ def decode_case(spec: AttentionSpec, device: torch.device, seed: int = 1) -> Dec
     fillers = [-1, num_pages, nan_pages[0], garbage_pages[0]]
     page_table = torch.tensor([[fillers[(b + c) % len(fillers)] for c in range(max_pages)]
                                for b in range(len(lens))], dtype=torch.int32)
-    sinks = _sinks(spec, max(_query_boost(spec), 1.0))
+    sinks = _sinks(spec)
     q = torch.empty(len(lens), spec.num_q_heads, d, dtype=dt)
     ref = torch.empty(q.shape, dtype=torch.float32)
     low = torch.empty(q.shape, dtype=dt)
