@@ -1,4 +1,11 @@
-"""torch: scaled_dot_product_attention per sequence. Runs on CPU and GPU; the reference and universal fallback."""
+"""torch: scaled_dot_product_attention per sequence. Runs on CPU and GPU; the universal fallback (every feature).
+
+Plain attention (and sliding windows, as a mask) runs through SDPA in the activation dtype; softcap and sinks, which
+SDPA does not take, run through a plain float32 softmax, chunked over queries to bound memory. Decode gathers per
+sequence only the slots it owns (only the window's with a sliding window): positions past a sequence's end are
+pointed at plan time at the sequence's own first token and masked, so garbage, NaN or out-of-range page-table
+entries past a sequence are never read; zero-length rows give zeros.
+"""
 from __future__ import annotations
 
 import torch
@@ -8,6 +15,7 @@ from ..spec import AttentionSpec
 from . import Phase, RunFn
 
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+MATH_CHUNK_ELEMS = 1 << 26  # float32 scores per chunk of the softcap/sinks path (256 MiB)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, is_causal: bool = False,
@@ -22,11 +30,50 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, is_
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
 
-def causal_mask(len_q: int, len_k: int, device: torch.device) -> torch.Tensor | None:
-    """Bottom-right aligned causal mask (queries are the last len_q of len_k tokens); None when SDPA's own works."""
-    if len_q == len_k:
+def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None,
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(softcap(q k^T * scale)) v in float32 with sink logits in the denominator; result in q's dtype.
+
+    q ``[B, H, Lq, D]``, k/v ``[B, KVH, Lk, D]`` (GQA), mask bool broadcastable to ``[B, 1, Lq, Lk]`` (True: the key
+    is seen) or None, sinks float32 ``[H]`` or None. Every query row must see at least one key.
+    """
+    b, heads, lq, d = q.shape
+    kvh, lk = k.shape[1], k.shape[2]
+    group = heads // kvh
+    kf, vf = k.float()[:, :, None], v.float()[:, :, None]  # [B, KVH, 1, Lk, D]
+    sink = sinks.float().reshape(1, kvh, group, 1, 1) if sinks is not None else None
+    step = max(1, MATH_CHUNK_ELEMS // max(1, b * heads * lk))
+    out = torch.empty_like(q)
+    for s0 in range(0, lq, step):
+        qf = q[:, :, s0:s0 + step].float().reshape(b, kvh, group, -1, d)
+        scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, KVH, G, chunk, Lk]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask[..., s0:s0 + step, :][:, :, None], float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        if sink is not None:
+            top = torch.maximum(top, sink)
+        weights = torch.exp(scores - top)
+        denom = weights.sum(-1, keepdim=True)
+        if sink is not None:
+            denom = denom + torch.exp(sink - top)
+        o = (weights @ vf) / denom  # [B, KVH, G, chunk, D]
+        out[:, :, s0:s0 + step] = o.view(b, heads, -1, d).to(q.dtype)
+    return out
+
+
+def visible(spec: AttentionSpec, len_q: int, len_k: int, device: torch.device) -> torch.Tensor | None:
+    """``[len_q, len_k]`` bool, True where a query (the last len_q of len_k positions: bottom-right) sees a key:
+    causal, and with a sliding window w the w keys ending at the query itself. None when every key is seen."""
+    if not spec.causal and spec.sliding_window is None:
         return None
-    return torch.ones(len_q, len_k, dtype=torch.bool, device=device).tril(diagonal=len_k - len_q)
+    i = torch.arange(len_k - len_q, len_k, device=device)[:, None]
+    j = torch.arange(len_k, device=device)[None, :]
+    keep = j <= i
+    if spec.sliding_window is not None:
+        keep &= j > i - spec.sliding_window
+    return keep
 
 
 def seq_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -45,27 +92,56 @@ def seq_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[t
     return bounds
 
 
+def check_sinks(spec: AttentionSpec, sinks: torch.Tensor | None) -> None:
+    if spec.sinks and sinks is None:
+        raise ValueError(f"the spec has attention sinks: run needs sinks=, a float32 tensor [{spec.num_q_heads}]")
+    if not spec.sinks and sinks is not None:
+        raise ValueError("sinks were passed but the spec has sinks=False")
+    if sinks is not None and tuple(sinks.shape) != (spec.num_q_heads,):
+        raise ValueError(f"sinks must have shape [{spec.num_q_heads}] (one per query head), got {tuple(sinks.shape)}")
+
+
+def dequantised(cache_rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values in ``dtype``; fp8 rows are multiplied by their per-tensor scale (a device tensor, no sync)."""
+    if scale is None:
+        return cache_rows.to(dtype)
+    return (cache_rows.float() * scale.float()).to(dtype)
+
+
 class TorchBackend:
     name = "torch"
     version = torch.__version__
 
     def unsupported(self, spec: AttentionSpec, phase: Phase) -> str | None:
-        return None
+        return None  # every feature: sliding window, softcap, sinks, fp8 KV cache, non-causal
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
         bounds = seq_bounds(cu_seqlens_q, cu_seqlens_k)
         device = cu_seqlens_q.device
-        masks = [causal_mask(qe - qs, ke - ks, device) if spec.causal else None for qs, qe, ks, ke in bounds]
         scale = spec.scale
+        use_math = spec.softcap is not None or spec.sinks
+        plans = []  # (bounds, mask, is_causal) per sequence
+        for qs, qe, ks, ke in bounds:
+            lq, lk = qe - qs, ke - ks
+            if not use_math and spec.sliding_window is None and (not spec.causal or lq == lk):
+                plans.append(((qs, qe, ks, ke), None, spec.causal))  # SDPA's own (top-left = bottom-right here)
+            else:
+                mask = visible(spec, lq, lk, device)
+                plans.append(((qs, qe, ks, ke), None if mask is None else mask[None, None], False))
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
+            check_sinks(spec, sinks)
             out = torch.empty_like(q)
-            for (qs, qe, ks, ke), mask in zip(bounds, masks):
+            for (qs, qe, ks, ke), mask, is_causal in plans:
                 if qe == qs:
                     continue
-                o = sdpa(q[qs:qe].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None],
-                         v[ks:ke].transpose(0, 1)[None], scale, is_causal=spec.causal and mask is None, mask=mask)
+                qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[qs:qe], k[ks:ke], v[ks:ke]))
+                if use_math:
+                    o = attend_math(qb, kb, vb, scale, mask=mask, softcap=spec.softcap, sinks=sinks)
+                else:
+                    o = sdpa(qb, kb, vb, scale, is_causal=is_causal, mask=mask)
                 out[qs:qe] = o[0].transpose(0, 1)
             return out
 
@@ -73,23 +149,54 @@ class TorchBackend:
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         lens = seq_lens.tolist()
-        if min(lens, default=1) < 1:
-            raise ValueError("seq_lens must be >= 1 for decode (the cache holds the new token)")
-        max_len = max(lens, default=1)
+        if min(lens, default=0) < 0:
+            raise ValueError(f"seq_lens must be >= 0 (0: a padding row with zero output), got {min(lens)}")
         ps = spec.page_size
+        max_len = max(lens, default=0)
         if max_len > page_table.shape[1] * ps:
             raise ValueError(f"page_table has {page_table.shape[1]} pages per sequence, too few for {max_len} "
                              f"tokens at page_size {ps}")
-        t = torch.arange(max_len, device=page_table.device)
-        slots = page_table[:, t // ps].long() * ps + t % ps  # [B, L] flat slot of each token
-        mask = (t[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        window = spec.sliding_window
+        starts = [max(0, n - window) if window is not None else 0 for n in lens]
+        counts = [n - s for n, s in zip(lens, starts)]
+        device = page_table.device
+        t = torch.arange(max(counts, default=0) or 1, device=device)
+        count = torch.tensor(counts, dtype=torch.long, device=device)[:, None]
+        start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
+        owned = t < count  # [B, W]: the slots of the sequence (of its window)
+        live = count > 0
+        # Positions past a sequence's end repeat its first token (its own, finite data, masked out), so neither a
+        # page-table entry past the sequence nor an unused slot is ever read. Zero-length rows read slot 0 and their
+        # output is replaced by zeros.
+        pos = torch.where(owned, start + t, start)
+        if page_table.shape[1]:
+            page = page_table.long().gather(1, torch.where(live, pos // ps, 0))
+        else:  # no pages at all: every row has length 0
+            page = torch.zeros_like(pos)
+        slots = torch.where(live, page * ps + pos % ps, 0)  # [B, W] flat slots
+        mask = (owned | ~live)[:, None, None, :]  # [B, 1, 1, W]
+        live = live[:, :, None]  # [B, 1, 1]
         scale = spec.scale
+        use_math = spec.softcap is not None or spec.sinks
+        fp8 = spec.kv_dtype is not None
 
-        def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            check_sinks(spec, sinks)
+            if fp8 and (k_scale is None or v_scale is None):
+                raise ValueError(f"the spec has a {spec.kv_dtype} KV cache: run needs k_scale= and v_scale= "
+                                 "(float32 tensors of one element)")
+            if not fp8 and (k_scale is not None or v_scale is not None):
+                raise ValueError("k_scale/v_scale were passed but the spec has no fp8 KV cache (kv_dtype=None)")
             kvh, d = k_cache.shape[-2:]
-            k = k_cache.reshape(-1, kvh, d)[slots].transpose(1, 2)  # [B, KVH, L, D]
-            v = v_cache.reshape(-1, kvh, d)[slots].transpose(1, 2)
-            return sdpa(q[:, :, None], k, v, scale, mask=mask)[:, :, 0]
+            dtype = torch.float32 if use_math else q.dtype  # the math path computes in float32 anyway
+            k = dequantised(k_cache.reshape(-1, kvh, d)[slots], k_scale, dtype).transpose(1, 2)  # [B, KVH, W, D]
+            v = dequantised(v_cache.reshape(-1, kvh, d)[slots], v_scale, dtype).transpose(1, 2)
+            if use_math:
+                out = attend_math(q[:, :, None], k, v, scale, mask=mask, softcap=spec.softcap, sinks=sinks)
+            else:
+                out = sdpa(q[:, :, None], k, v, scale, mask=mask)
+            return torch.where(live, out[:, :, 0], torch.zeros((), dtype=out.dtype, device=out.device))
 
         return run
 

@@ -1,0 +1,199 @@
+"""Plugin backends with real numerical faults, loaded like a user's plugin
+(``ATTNSEL_BACKENDS="tests.fault_numerics:ALL"``) or used in-process by tests/test_cases.py.
+
+- old_torch: the torch backend's decode before the fix (commit 880edb1): gathers every row up to the batch's longest
+  sequence through the page table and relies on the mask (reads NaN in unused slots, indexes with sentinels).
+- top_left: prefill with SDPA's own is_causal for every sequence, which aligns causal top-left when a sequence has
+  fewer queries than keys (the contract is bottom-right).
+- off_by_one: the torch output plus 1.0.
+- mutate_prefill / mutate_decode: correct output, then ``q.mul_(2)``; scribble_cache: correct output, then NaN
+  written into the key cache's first page; mutate_then_raise: ``q.mul_(2)`` then raises.
+- sloppy: attention computed in the activation dtype by plain matmul/softmax (what the tolerance is derived from).
+- Feature bugs (a backend that claims a feature and gets it wrong): no_window, window_plus_one, window_minus_one,
+  no_softcap, no_sinks, ignore_kv_scale, swap_kv_scale.
+- broken torch (BROKEN_TORCH, named "torch": it replaces the built-in): top_left prefill and old_torch decode;
+  torch_copy: the real torch backend under another name.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from attnsel.backends.torch_sdpa import BACKEND as TORCH
+from attnsel.backends.torch_sdpa import sdpa, seq_bounds
+from attnsel.validate.cases import reference_attention
+
+
+def old_torch_plan_decode(spec, page_table, seq_lens):
+    """Verbatim the torch backend's plan_decode of commit 880edb1 (the bug of issue 9 item 1)."""
+    lens = seq_lens.tolist()
+    if min(lens, default=1) < 1:
+        raise ValueError("seq_lens must be >= 1 for decode (the cache holds the new token)")
+    max_len = max(lens, default=1)
+    ps = spec.page_size
+    if max_len > page_table.shape[1] * ps:
+        raise ValueError(f"page_table has {page_table.shape[1]} pages per sequence, too few for {max_len} "
+                         f"tokens at page_size {ps}")
+    t = torch.arange(max_len, device=page_table.device)
+    slots = page_table[:, t // ps].long() * ps + t % ps  # [B, L] flat slot of each token
+    mask = (t[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    scale = spec.scale
+
+    def run(q, k_cache, v_cache):
+        kvh, d = k_cache.shape[-2:]
+        k = k_cache.reshape(-1, kvh, d)[slots].transpose(1, 2)  # [B, KVH, L, D]
+        v = v_cache.reshape(-1, kvh, d)[slots].transpose(1, 2)
+        return sdpa(q[:, :, None], k, v, scale, mask=mask)[:, :, 0]
+
+    return run
+
+
+def top_left_plan_prefill(spec, cu_q, cu_k, max_q, max_k):
+    bounds = seq_bounds(cu_q, cu_k)
+
+    def run(q, k, v, **kwargs):
+        out = torch.empty_like(q)
+        for qs, qe, ks, ke in bounds:
+            if qe > qs:
+                o = sdpa(q[qs:qe].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None],
+                         v[ks:ke].transpose(0, 1)[None], spec.scale, is_causal=spec.causal)
+                out[qs:qe] = o[0].transpose(0, 1)
+        return out
+
+    return run
+
+
+class Plugin:
+    """A backend built from two plan functions (None: the torch backend's)."""
+
+    def __init__(self, name, plan_prefill=None, plan_decode=None):
+        self.name = name
+        self.version = "test"
+        self._prefill = plan_prefill or TORCH.plan_prefill
+        self._decode = plan_decode or TORCH.plan_decode
+
+    def unsupported(self, spec, phase):
+        return None
+
+    def plan_prefill(self, spec, cu_q, cu_k, max_q, max_k):
+        return self._prefill(spec, cu_q, cu_k, max_q, max_k)
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        return self._decode(spec, page_table, seq_lens)
+
+
+def _after(plan, effect):
+    """plan function whose run computes the torch result, then calls effect(result, *inputs)."""
+    def wrapped(spec, *plan_args):
+        run = plan(spec, *plan_args)
+
+        def run_and_effect(*inputs, **kwargs):
+            out = run(*inputs, **kwargs)
+            return effect(out, *inputs)
+
+        return run_and_effect
+
+    return wrapped
+
+
+def _double_q(out, q, *rest):
+    q.mul_(2)
+    return out
+
+
+def _scribble(out, q, k_cache, v_cache):
+    k_cache[0].fill_(float("nan"))
+    return out
+
+
+def _raise_after_mutating(out, q, *rest):
+    q.mul_(2)
+    raise RuntimeError("injected failure after writing into q")
+
+
+def _sloppy_prefill(spec, cu_q, cu_k, max_q, max_k):
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+
+    def run(q, k, v, *, sinks=None):
+        out = torch.empty_like(q)
+        for i in range(len(cq) - 1):
+            out[cq[i]:cq[i + 1]] = reference_attention(
+                q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], spec.scale, spec.causal,
+                window=spec.sliding_window, softcap=spec.softcap, sinks=sinks, dtype=q.dtype)
+        return out
+
+    return run
+
+
+def _with_spec(plan, **changes):
+    """plan function of the torch backend run as if the spec had ``changes`` (dropping run inputs it then lacks)."""
+    def wrapped(spec, *plan_args):
+        wrong = dataclasses.replace(spec, **changes)
+        run = plan(wrong, *plan_args)
+
+        def run_wrong(*inputs, sinks=None, k_scale=None, v_scale=None):
+            extra = {}
+            if wrong.sinks:
+                extra["sinks"] = sinks
+            if wrong.kv_dtype is not None:
+                extra.update(k_scale=k_scale, v_scale=v_scale)
+            return run(*inputs, **extra)
+
+        return run_wrong
+
+    return wrapped
+
+
+def _window_shift(plan, delta):
+    """plan function of the torch backend with the window ``delta`` keys wider (an off-by-one convention)."""
+    def wrapped(spec, *plan_args):
+        return _with_spec(plan, sliding_window=spec.sliding_window + delta)(spec, *plan_args)
+
+    return wrapped
+
+
+def _scales(transform):
+    def wrapped(spec, *plan_args):
+        run = TORCH.plan_decode(spec, *plan_args)
+
+        def run_wrong(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
+            k_scale, v_scale = transform(k_scale, v_scale)
+            return run(q, k_cache, v_cache, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+
+        return run_wrong
+
+    return wrapped
+
+
+OLD_TORCH = Plugin("old_torch", plan_decode=old_torch_plan_decode)
+TOP_LEFT = Plugin("top_left", plan_prefill=top_left_plan_prefill)
+OFF_BY_ONE = Plugin("off_by_one", _after(TORCH.plan_prefill, lambda out, *a: out + 1.0),
+                    _after(TORCH.plan_decode, lambda out, *a: out + 1.0))
+MUTATE_PREFILL = Plugin("mutate_prefill", plan_prefill=_after(TORCH.plan_prefill, _double_q))
+MUTATE_DECODE = Plugin("mutate_decode", plan_decode=_after(TORCH.plan_decode, _double_q))
+SCRIBBLE_CACHE = Plugin("scribble_cache", plan_decode=_after(TORCH.plan_decode, _scribble))
+MUTATE_THEN_RAISE = Plugin("mutate_then_raise", _after(TORCH.plan_prefill, _raise_after_mutating),
+                           _after(TORCH.plan_decode, _raise_after_mutating))
+SLOPPY = Plugin("sloppy", plan_prefill=_sloppy_prefill)
+BROKEN_TORCH = Plugin("torch", top_left_plan_prefill, old_torch_plan_decode)
+
+FEATURE_BUGS = {
+    "no_window": Plugin("no_window", _with_spec(TORCH.plan_prefill, sliding_window=None),
+                        _with_spec(TORCH.plan_decode, sliding_window=None)),
+    "window_plus_one": Plugin("window_plus_one", _window_shift(TORCH.plan_prefill, 1),
+                              _window_shift(TORCH.plan_decode, 1)),
+    "window_minus_one": Plugin("window_minus_one", _window_shift(TORCH.plan_prefill, -1),
+                               _window_shift(TORCH.plan_decode, -1)),
+    "no_softcap": Plugin("no_softcap", _with_spec(TORCH.plan_prefill, softcap=None),
+                         _with_spec(TORCH.plan_decode, softcap=None)),
+    "no_sinks": Plugin("no_sinks", _with_spec(TORCH.plan_prefill, sinks=False),
+                       _with_spec(TORCH.plan_decode, sinks=False)),
+    "ignore_kv_scale": Plugin("ignore_kv_scale", plan_decode=_scales(lambda k, v: (torch.ones_like(k),
+                                                                                   torch.ones_like(v)))),
+    "swap_kv_scale": Plugin("swap_kv_scale", plan_decode=_scales(lambda k, v: (v, k))),
+}
+
+ALL = [OLD_TORCH, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE, SCRIBBLE_CACHE, MUTATE_THEN_RAISE, SLOPPY,
+       *FEATURE_BUGS.values()]
+TORCH_COPY = Plugin("torch_copy")  # the torch backend under another name (a fallback next to BROKEN_TORCH)
