@@ -61,7 +61,7 @@ def feature_reasons(spec: AttentionSpec, phase: str, supported: Collection[str],
     reasons = []
     for key, words in spec_features(spec, phase).items():
         if key not in supported:
-            reasons.append(f"{words} is not supported in {phase}" + (f" ({why[key]})" if key in why else ""))
+            reasons.append(f"{words}: not supported in {phase}" + (f" ({why[key]})" if key in why else ""))
     return reasons
 
 
