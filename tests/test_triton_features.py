@@ -182,3 +182,24 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("OK ") == 8
+
+
+def test_version_changes_with_the_kernel_sources(tmp_path, monkeypatch):
+    """Issue 9 item 11: the cache key must change when our kernels change, not only with the triton package."""
+    import hashlib
+    from pathlib import Path
+
+    src = Path(tb.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(src.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    assert get("triton").version().endswith("+kernels." + digest.hexdigest()[:12])
+    for path in src.glob("*.py"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "kernels.py").write_text((src / "kernels.py").read_text() + "\n# a changed kernel\n")
+    monkeypatch.setattr(tb, "__file__", str(tmp_path / "__init__.py"))
+    tb.sources_hash.cache_clear()
+    try:
+        assert tb.sources_hash() != digest.hexdigest()[:12]
+    finally:
+        tb.sources_hash.cache_clear()

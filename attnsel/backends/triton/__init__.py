@@ -5,9 +5,12 @@ Runs compiled on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_IN
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import importlib.util
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -25,6 +28,15 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+
+
+@functools.cache
+def sources_hash() -> str:
+    """sha256 (12 hex digits) of this package's Python sources: the kernels and how they are launched."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def interpreted() -> bool:
@@ -82,7 +94,8 @@ class TritonBackend:
     name = "triton"
 
     def version(self) -> str | None:
-        return package_version("triton")
+        """The triton package's version and a hash of our kernel sources: a changed kernel is validated anew."""
+        return f"{package_version('triton')}+kernels.{sources_hash()}"
 
     def unsupported(self, spec: AttentionSpec, phase: Phase, device: torch.device | None = None) -> str | None:
         reasons = []
