@@ -12,7 +12,9 @@ Features: sliding window as ``window_size=(w - 1, 0)``; sinks (the op takes them
 softcap only where the build has it (tokenspeed-fa3 3.0.0 is built with FLASHATTENTION_DISABLE_SOFTCAP); an fp8
 e4m3 cache needs fp8 queries too (FA3 requires q, k, v of one dtype), so decode quantises q per (sequence, KV head)
 with a scale computed on the device (amax / 448) and passes q/k/v descale factors; its output is bf16.
-Variants: ``fa3_packgqa`` forces ``pack_gqa=True`` (the default lets FA3's heuristic decide).
+Variants: ``fa3_packgqa`` forces ``pack_gqa=True`` (the default lets FA3's heuristic decide); ``fa3_split`` (prefill)
+lets FA3 split the keys of a sequence (``num_splits=0``, its heuristic; ``fa3`` prefill uses 1): prefix-cached
+chunks with few queries and long keys.
 """
 from __future__ import annotations
 
@@ -96,9 +98,12 @@ def quantize_q(q: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.
 
 
 class FA3Backend:
-    def __init__(self, name: str, pack_gqa: bool | None = None):
+    def __init__(self, name: str, pack_gqa: bool | None = None, prefill_splits: int = 1,
+                 phases: tuple[str, ...] = ("prefill", "decode")):
         self.name = name
         self.pack_gqa = pack_gqa
+        self.prefill_splits = prefill_splits  # 1: no KV split; 0: FA3's heuristic (splits few-query long-key rows)
+        self.phases = phases
 
     def version(self) -> str | None:
         return package_version("tokenspeed-fa3")
@@ -106,6 +111,8 @@ class FA3Backend:
     def unsupported(self, spec: AttentionSpec, phase: Phase, device: torch.device | None = None) -> str | None:
         if importlib.util.find_spec("flash_attn_interface") is None:
             return "flash_attn_interface is not installed (pip install tokenspeed-fa3)"
+        if phase not in self.phases:
+            return f"this variant differs from fa3 only in {', '.join(self.phases)}"
         reasons = [capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9, device), dtype_reason(spec),
                    head_dim_reason(spec.head_dim)]
         if self.pack_gqa and spec.group_size == 1:
@@ -123,13 +130,13 @@ class FA3Backend:
         cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
         scale, causal, window = spec.scale, spec.causal, _window(spec)
         softcap = spec.softcap or 0.0
-        pack_gqa = self.pack_gqa
+        pack_gqa, splits = self.pack_gqa, self.prefill_splits
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
                 ) -> torch.Tensor:
             return _fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window=window,
-                        softcap=softcap, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks))
+                        softcap=softcap, num_splits=splits, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks))
 
         return run
 
@@ -177,3 +184,4 @@ class FA3Backend:
 
 BACKEND = FA3Backend("fa3")
 BACKEND_PACKGQA = FA3Backend("fa3_packgqa", pack_gqa=True)
+BACKEND_SPLIT = FA3Backend("fa3_split", prefill_splits=0, phases=("prefill",))
