@@ -82,6 +82,32 @@ def time_backend(name: str, spec: AttentionSpec, w: dict, refs: dict) -> dict:
     return {"status": "ok", "max_abs_err": err, "us": bench(call, DEV) * 1e6}
 
 
+def triton_config_sweep(case) -> list:
+    """Triton decode tile configs on fp8 and bf16 caches (batch x ctx of FP8_CASE): fp8 tiles hold half the bytes,
+    so a longer BLOCK_N may pay. The current config is the first row of each dtype."""
+    import attnsel.backends.triton as tb
+
+    batch, ctx = case
+    rows, current = [], tb.decode_config
+    for kv_dtype in (None, "fp8_e4m3"):
+        spec = AttentionSpec(**BASE, kv_dtype=kv_dtype)
+        w = make_decode(spec, batch, ctx, seed=2)
+        refs = reference_rows(spec, w)
+        for cfg in [None, (0, 64, 4, 3), (0, 128, 4, 3), (0, 128, 8, 3), (0, 64, 8, 4), (0, 32, 4, 4)]:
+            tb.decode_config = current if cfg is None else (lambda d, c=cfg: tb.TileConfig(*c))
+            try:
+                r = time_backend("triton", spec, w, refs)
+            finally:
+                tb.decode_config = current
+            label = list(tb.decode_config(spec.head_dim).__dict__.values()) if cfg is None else list(cfg)
+            row = {"kv_dtype": kv_dtype or "bf16", "config": label, "current": cfg is None, **r}
+            rows.append(row)
+            print("triton config", json.dumps(row), flush=True)
+        del w, refs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def emit(row: dict, rows: list) -> None:
     rows.append(row)
     print(json.dumps(row), flush=True)
@@ -139,6 +165,7 @@ def main() -> None:
     if fastest["bf16"] and fastest["fp8_e4m3"]:
         result["fp8_speedup_fastest"] = {"bf16": fastest["bf16"][1], "fp8": fastest["fp8_e4m3"][1],
                                          "speedup": fastest["bf16"][0] / fastest["fp8_e4m3"][0]}
+    result["triton_fp8_configs"] = triton_config_sweep(FP8_CASE)
     print("fp8 speedup per backend:", json.dumps(per_backend))
     print("fp8 speedup fastest vs fastest:", json.dumps(result.get("fp8_speedup_fastest")))
     for r in result["window"]:
