@@ -67,8 +67,8 @@ def test_every_feature_is_served_or_named(name, feature, hopper_with_libraries):
 @pytest.mark.parametrize("name, phase, feature, why", [
     ("fa3", "prefill", "softcap", "FLASHATTENTION_DISABLE_SOFTCAP"),
     ("fa3", "decode", "softcap", "FLASHATTENTION_DISABLE_SOFTCAP"),
-    ("flashinfer", "prefill", "sinks", "trtllm-gen"),
-    ("flashinfer", "decode", "sinks", "trtllm-gen"),
+    ("flashinfer_fa2", "prefill", "sinks", "trtllm-gen"),
+    ("flashinfer_fa3", "decode", "sinks", "trtllm-gen"),
     ("flashinfer_cuda_cores", "decode", "sinks", "trtllm-gen"),
     ("flashinfer_fa3", "decode", "kv_dtype", "needs fp8 queries"),
 ])
@@ -85,6 +85,14 @@ def test_implemented_features_are_not_declined(name, phase, hopper_with_librarie
     if name == "triton":
         fields.update(softcap=30.0, sinks=True)
     assert _reason(name, phase, **fields) is None
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_flashinfer_sinks_and_their_limits(phase, hopper_with_libraries):
+    assert _reason("flashinfer", phase, sinks=True, sliding_window=128) is None
+    assert "no softcap" in _reason("flashinfer", phase, sinks=True, softcap=30.0)
+    fp8 = _reason("flashinfer", phase, sinks=True, kv_dtype="fp8_e4m3")
+    assert (fp8 is None) if phase == "prefill" else ("does not dequantise" in fp8)
 
 
 def test_prefill_ignores_kv_dtype(hopper_with_libraries):

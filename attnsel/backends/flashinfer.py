@@ -8,8 +8,10 @@ Hopper it is what ``flashinfer`` runs), ``flashinfer_fa3`` (tensor-core decode o
 Features (FlashInfer 0.6.4): sliding window (``window_left = w - 1``) and logit softcap (``logits_soft_cap``) at
 plan time; an fp8 e4m3 decode cache (``kv_data_type``) with ``k_scale`` folded into the softmax scale on the host
 (FlashInfer takes it as a Python float: the tensor is read once per tensor version, a host sync only then) and
-``v_scale`` applied to the output on the device. Sinks: FlashInfer passes them to its kernels only in the trtllm-gen
-(Blackwell) path and in a separate JIT variant (BatchAttentionWithAttentionSinkWrapper), not wired here: declined.
+``v_scale`` applied to the output on the device. Sinks (``flashinfer`` only): FlashInfer's
+BatchAttentionWithAttentionSinkWrapper, a paged prefill JIT variant (its own module per dtype/window) that adds the
+sink to the first KV tile's softmax state; decode plans it with one query per sequence, prefill with the ragged k/v
+viewed as a paged cache of page size 1. That variant has no softcap and no fp8 dequantisation: declined with sinks.
 
 Workspace: one zeroed float buffer per device of ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
 recommendation for real batches), used for validation and serving alike. The wrappers, and so the plans, are one per
@@ -35,8 +37,8 @@ log = logging.getLogger(__name__)
 HEAD_DIMS = (64, 128, 256)
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE in flashinfer/utils.cuh
 WORKSPACE_ENV = "ATTNSEL_FLASHINFER_WORKSPACE_MB"
-SINKS_WHY = ("FlashInfer 0.6.4 passes sinks to its kernels only in the trtllm-gen (Blackwell) path and in a "
-             "separate JIT variant that attnsel does not use yet")
+SINKS_WHY = ("FlashInfer 0.6.4 takes sinks only in its trtllm-gen (Blackwell) path and in the attention-sink JIT "
+             "variant, which attnsel uses for the flashinfer candidate only")
 
 
 def workspace_bytes() -> int:
@@ -71,6 +73,18 @@ def _wrapper(device: torch.device, kind: str, nbytes: int, template: str):
         return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=template)
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"),
                                                          backend=template)
+
+
+@functools.cache
+def _sink_wrapper(device: torch.device, phase: str, nbytes: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                  head_dim: int, window_left: int):
+    """FlashInfer's attention-sink variant (one JIT module per dtype, head_dim and windowed-or-not); one wrapper per
+    phase, as for the others."""
+    import flashinfer
+
+    return flashinfer.BatchAttentionWithAttentionSinkWrapper(
+        _workspace(device, nbytes), "NHD", backend="auto", q_data_type=q_dtype, kv_data_type=kv_dtype,
+        head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=window_left)
 
 
 def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
@@ -143,6 +157,14 @@ class FlashInferBackend:
             reasons.append("a sliding window with non-causal attention is not supported (the window is causal)")
         supported = {"sliding_window", "softcap", "kv_dtype", "non_causal"}
         why = {"sinks": SINKS_WHY}
+        if self.name == "flashinfer":
+            supported.add("sinks")
+            if spec.sinks and spec.softcap is not None:
+                reasons.append("attention sinks with a logit softcap: not supported (FlashInfer's attention-sink "
+                               "variant has no softcap)")
+            if spec.sinks and spec.kv_dtype is not None and phase == "decode":
+                reasons.append("attention sinks with an fp8 KV cache: not supported (FlashInfer's attention-sink "
+                               "variant does not dequantise)")
         if phase == "decode" and self.decode_template == "fa3":
             supported.discard("kv_dtype")
             why["kv_dtype"] = "FlashInfer's FA3 template needs fp8 queries with an fp8 KV cache"
@@ -151,6 +173,8 @@ class FlashInferBackend:
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
+        if spec.sinks:
+            return self._plan_prefill_sinks(spec, cu_seqlens_q, cu_seqlens_k)
         wrapper = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template)
         wrapper.plan(cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), spec.num_q_heads,
                      spec.num_kv_heads, spec.head_dim, causal=spec.causal, sm_scale=spec.scale,
@@ -163,7 +187,48 @@ class FlashInferBackend:
 
         return self._checked(wrapper, call)
 
+    def _plan_prefill_sinks(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+                            ) -> RunFn:
+        """Ragged k/v [total_k, kvh, d] as a paged cache of page size 1: page i is key row i."""
+        device = cu_seqlens_q.device
+        wrapper = _sink_wrapper(device, "prefill", workspace_bytes(), spec.torch_dtype, spec.torch_dtype,
+                                spec.head_dim, _window_left(spec))
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        total_k = int(cu_k[-1])
+        indices = torch.arange(total_k, dtype=torch.int32, device=device)
+        last = torch.ones(cu_k.numel() - 1, dtype=torch.int32, device=device)
+        wrapper.plan(cu_q, cu_k, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, 1,
+                     causal=spec.causal, sm_scale=spec.scale, window_left=_window_left(spec),
+                     q_data_type=spec.torch_dtype, kv_data_type=spec.torch_dtype)
+        scale = spec.scale
+
+        def call(q, k, v, *, sinks=None):
+            return wrapper.run(q, (k.unsqueeze(1), v.unsqueeze(1)), _sinks_arg(spec, sinks), scale)
+
+        return self._checked(wrapper, call)
+
+    def _plan_decode_sinks(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
+        device = seq_lens.device
+        wrapper = _sink_wrapper(device, "decode", workspace_bytes(), spec.torch_dtype, spec.kv_torch_dtype,
+                                spec.head_dim, _window_left(spec))
+        indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
+        qo_indptr = torch.arange(seq_lens.numel() + 1, dtype=torch.int32, device=device)
+        wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
+                     spec.page_size, causal=True, sm_scale=spec.scale, window_left=_window_left(spec),
+                     q_data_type=spec.torch_dtype, kv_data_type=spec.kv_torch_dtype)
+        lens = seq_lens.to(torch.int32)
+        empty_rows = (lens == 0)[:, None, None] if lens.numel() and bool((lens == 0).any()) else None
+        scale = spec.scale
+
+        def call(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
+            out = wrapper.run(q, (k_cache, v_cache), _sinks_arg(spec, sinks), scale)
+            return out.masked_fill(empty_rows, 0.0) if empty_rows is not None else out
+
+        return self._checked(wrapper, call)
+
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
+        if spec.sinks:
+            return self._plan_decode_sinks(spec, page_table, seq_lens)
         wrapper = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
         wrapper.plan(indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
@@ -210,7 +275,13 @@ def _window_left(spec: AttentionSpec) -> int:
 
 def _no_sinks(sinks) -> None:
     if sinks is not None:
-        raise ValueError(f"flashinfer does not take sinks ({SINKS_WHY})")
+        raise ValueError("sinks were passed but the spec has sinks=False")
+
+
+def _sinks_arg(spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tensor:
+    if sinks is None or sinks.shape != (spec.num_q_heads,) or sinks.dtype != torch.float32:
+        raise ValueError(f"spec.sinks needs sinks: a float32 tensor [num_q_heads={spec.num_q_heads}]")
+    return sinks
 
 
 BACKEND = FlashInferBackend("flashinfer", phases=("prefill", "decode"))
