@@ -19,18 +19,18 @@ def compile_(fn, sig, consts):
 
 def prefill(dtype, **flags):
     sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "O": f"*{dtype}", "cu_q": "*i32", "cu_k": "*i32",
-           "SINKS": "*fp32", "scale_in": "fp32", "cap_out": "fp32"}
-    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128, CAUSAL=True, WINDOW=False,
-                  SOFTCAP=False, HAS_SINKS=False, UPCAST=False)
+           "SINKS": "*fp32", "scale_in": "fp32"}
+    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128, CAUSAL=True, WINDOW=0,
+                  SOFTCAP=0.0, HAS_SINKS=False, LONG=False, UPCAST=False)
     consts.update(flags)
     return compile_(K.prefill_kernel, sig, consts)
 
 def decode(dtype, kvdtype, **flags):
     sig = {"Q": f"*{dtype}", "K": f"*{kvdtype}", "V": f"*{kvdtype}", "PT": "*i32", "LENS": "*i32", "O": f"*{dtype}",
            "O_part": "*fp32", "LSE_part": "*fp32", "SINKS": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
-           "scale_in": "fp32", "cap_out": "fp32"}
+           "scale_in": "fp32"}
     consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_N=64, SPLIT=True,
-                  WINDOW=False, SOFTCAP=False, HAS_SINKS=False, FP8=False, UPCAST=False)
+                  WINDOW=0, SOFTCAP=0.0, HAS_SINKS=False, FP8=False, UPCAST=False)
     consts.update(flags)
     return compile_(K.decode_kernel, sig, consts)
 
@@ -43,11 +43,12 @@ def reduce_(**flags):
 failed = 0
 for name, thunk in [
     ("prefill plain", lambda: prefill("bf16")),
-    ("prefill all", lambda: prefill("bf16", WINDOW=True, SOFTCAP=True, HAS_SINKS=True)),
-    ("prefill noncausal", lambda: prefill("fp16", CAUSAL=False)),
+    ("prefill all", lambda: prefill("bf16", WINDOW=4096, SOFTCAP=30.0 * 1.4426950408889634, HAS_SINKS=True)),
+    ("prefill noncausal long", lambda: prefill("fp16", CAUSAL=False, LONG=True)),
     ("decode split", lambda: decode("bf16", "bf16")),
-    ("decode nosplit all fp8", lambda: decode("bf16", "fp8e4nv", SPLIT=False, WINDOW=True, SOFTCAP=True, HAS_SINKS=True, FP8=True)),
-    ("decode split all fp8", lambda: decode("fp16", "fp8e4nv", WINDOW=True, SOFTCAP=True, HAS_SINKS=True, FP8=True)),
+    ("decode nosplit all fp8", lambda: decode("bf16", "fp8e4nv", SPLIT=False, WINDOW=4096, SOFTCAP=43.3,
+                                              HAS_SINKS=True, FP8=True)),
+    ("decode split all fp8", lambda: decode("fp16", "fp8e4nv", WINDOW=128, SOFTCAP=43.3, HAS_SINKS=True, FP8=True)),
     ("reduce sinks", lambda: reduce_(HAS_SINKS=True)),
     ("reduce", lambda: reduce_()),
 ]:
