@@ -203,3 +203,21 @@ def test_version_changes_with_the_kernel_sources(tmp_path, monkeypatch):
         assert tb.sources_hash() != digest.hexdigest()[:12]
     finally:
         tb.sources_hash.cache_clear()
+
+
+def test_prefill_window_with_very_negative_scores():
+    """Rows whose first visited block lies left of their window, then only very negative scores (-800 before the
+    softmax): the running max must stay -inf through the empty block, or exp underflows to 0/0."""
+    spec = _spec(sliding_window=40)
+    lq = lk = 83
+    q = torch.full((lq, 8, 64), 10.0, dtype=torch.float16)
+    k = torch.full((lk, 2, 64), -10.0, dtype=torch.float16)
+    v = torch.randn(lk, 2, 64, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    cu = torch.tensor([0, lq], dtype=torch.int32)
+    out = get("triton").plan_prefill(spec, cu, cu, lq, lk)(q, k, v)
+    assert torch.isfinite(out).all()
+    # equal scores: each query averages the values of its window
+    for i in (0, 39, 40, 82):
+        lo = max(0, i - 39)
+        ref = v[lo:i + 1].float().mean(0).repeat_interleave(4, 0)
+        assert (out[i].float() - ref).abs().max().item() <= TOL["fp16"]
