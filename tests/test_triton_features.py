@@ -221,3 +221,12 @@ def test_prefill_window_with_very_negative_scores():
         lo = max(0, i - 39)
         ref = v[lo:i + 1].float().mean(0).repeat_interleave(4, 0)
         assert (out[i].float() - ref).abs().max().item() <= TOL["fp16"]
+
+
+def test_prefill_long_offsets_variant(monkeypatch):
+    """The 64-bit-inside-a-sequence variant (chosen for sequences whose rows x stride pass 2^31) computes the same:
+    forced here by lowering the threshold."""
+    monkeypatch.setattr(tb, "INT32_OFFSETS", 1)
+    spec = _spec(sliding_window=40, softcap=8.0, sinks=True)
+    out, ref, _ = _prefill(spec, q_mul=2.0)
+    assert (out.float() - ref).abs().max().item() <= TOL["fp16"] * max(1.0, ref.abs().max().item())

@@ -20,6 +20,7 @@ from .. import Phase, RunFn
 from ..support import capability_reason, dtype_reason, feature_reasons, joined
 
 MAX_HEAD_DIM = 256
+INT32_OFFSETS = 2**31  # offsets inside one sequence at or past this need the kernels' LONG (64-bit) variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,7 @@ class TritonBackend:
             sinks = _check_sinks(spec, sinks)
             out = torch.empty_like(q)
             # 64-bit offsets inside a sequence only where one sequence's rows x stride can pass 2^31
-            long = max(rows_q * q.stride(0), rows_k * k.stride(0), rows_k * v.stride(0)) >= 2**31
+            long = max(rows_q * q.stride(0), rows_k * k.stride(0), rows_k * v.stride(0)) >= INT32_OFFSETS
             prefill_kernel[grid](q, k, v, out, cu_q, cu_k, sinks, scale_in,
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                  out.stride(0), out.stride(1),
