@@ -63,7 +63,7 @@ def test_report_table_ends_with_the_two_choices(capsys):
     (["--num-heads", "8"], "missing --head-dim"),
     (["--num-heads", "8", "--head-dim", "64", "--llm_prefill_att_backend", "fast"],
      "--llm_prefill_att_backend: unknown backend 'fast'; valid: auto, fa3, flashinfer, flashinfer_cuda_cores, "
-     "triton, torch"),
+     "triton, torch, fa3_packgqa, fa3_split, flashinfer_fa2, flashinfer_fa3"),
     (["--num-heads", "8", "--head-dim", "64", "--decode-priority", "torch,nope"], "unknown backend 'nope'"),
     (["--num-heads", "8", "--head-dim", "64", "--timeout", "0"], "timeout must be a positive number of seconds"),
     (["--num-heads", "8", "--head-dim", "64", "--policy", "priority", "--mode", "graph", "--device", "cpu"],

@@ -102,3 +102,110 @@ def test_graph_mode_timing_captures_every_backend(tmp_path):
         for c in sel.candidates[phase]:
             if c.status in ("valid", "selected"):
                 assert c.score_us, f"{c.name} {phase}: {c.reason}"
+
+
+# ---------------------------------------------------------------- features (issue 11) and the decode contract
+
+FEATURE_SPECS = {
+    "window256": AttentionSpec(32, 8, 128, "bf16", 16, sliding_window=256),
+    "softcap30": AttentionSpec(32, 8, 128, "bf16", 16, softcap=30.0),
+    "sinks": AttentionSpec(32, 8, 128, "bf16", 16, sinks=True),
+    "fp8kv": AttentionSpec(32, 8, 128, "bf16", 16, kv_dtype="fp8_e4m3"),
+    "gemma2-like": AttentionSpec(16, 8, 256, "bf16", 16, sliding_window=512, softcap=50.0),
+    "gptoss-like": AttentionSpec(64, 8, 64, "bf16", 16, sliding_window=128, sinks=True),
+    "all-fp16-page64": AttentionSpec(32, 4, 128, "fp16", 64, sliding_window=300, softcap=30.0, sinks=True,
+                                     kv_dtype="fp8_e4m3"),
+}
+# FlashInfer JIT-builds one module per feature combination and template (a minute or two each): by default only
+# `flashinfer` on three feature specs; ATTNSEL_GPU_FLASHINFER_FEATURES=all runs every variant on every feature spec.
+FLASHINFER_DEFAULT = {("flashinfer", "window256"), ("flashinfer", "fp8kv"), ("flashinfer", "gptoss-like")}
+PREFILL_LQ, PREFILL_LK = [1, 13, 97, 1031, 61], [1, 13, 97, 1031, 263]
+DECODE_LENS = [0, 1, 17, 1531, 45, 300, 0]  # zero-length rows: CUDA-graph padding
+
+
+@pytest.fixture(scope="module")
+def feature_cases():
+    from tests.feature_cases import decode_case, prefill_case
+
+    store = {}
+
+    def get_case(key, phase):
+        if (key, phase) not in store:
+            spec, dev = FEATURE_SPECS[key], torch.device("cuda")
+            q_mul = 4.0 if spec.softcap else 1.0  # logits beyond the cap
+            store[(key, phase)] = (prefill_case(spec, dev, PREFILL_LQ, PREFILL_LK, q_mul=q_mul) if phase == "prefill"
+                                   else decode_case(spec, dev, DECODE_LENS, sentinel=-1))
+        return store[(key, phase)]
+
+    return get_case
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("name", list(BUILTINS))
+@pytest.mark.parametrize("key", list(FEATURE_SPECS))
+def test_feature_against_reference(key, name, phase, feature_cases):
+    """Each backend on each feature spec: valid against the float32 reference, or the reason names the feature."""
+    spec = FEATURE_SPECS[key]
+    backend = get(name)
+    reason = backend.unsupported(spec, phase)
+    if reason:
+        _record(spec=key, backend=name, phase=phase, status="unavailable", reason=reason)
+        pytest.skip(reason)
+    if name.startswith("flashinfer") and os.environ.get("ATTNSEL_GPU_FLASHINFER_FEATURES") != "all" \
+            and (name, key) not in FLASHINFER_DEFAULT:
+        pytest.skip("FlashInfer JIT for this feature combination: ATTNSEL_GPU_FLASHINFER_FEATURES=all")
+    case = feature_cases(key, phase)
+    out = case.run(backend, spec)
+    torch.cuda.synchronize()
+    err, tol = case.error(out), case.tolerance(spec)
+    _record(spec=key, backend=name, phase=phase, status="valid" if err <= tol else "rejected", max_abs_err=err,
+            tolerance=tol, low_precision_err=case.low_err)
+    assert out.shape == case.ref.shape and out.dtype == spec.torch_dtype
+    assert err <= tol, f"{name} {phase} {key}: max abs error {err:.3g} > tolerance {tol:.3g}"
+    if phase == "decode":
+        zero_rows = [i for i, n in enumerate(DECODE_LENS) if n == 0]
+        assert out[zero_rows].abs().max().item() == 0, "zero-length rows must be zeros"
+
+
+@pytest.mark.parametrize("name", [n for n in BUILTINS if n != "torch"])
+def test_decode_contract_zero_length_and_sentinels(name):
+    """Plain spec: zero-length rows, NaN in unused slots and pages, -1 and num_pages sentinels in the page table."""
+    from tests.feature_cases import decode_case
+
+    spec = SPECS["gqa4-d128-bf16"]
+    backend = get(name)
+    reason = backend.unsupported(spec, "decode")
+    if reason:
+        pytest.skip(reason)
+    for sentinel in ("nan_page", -1, "num_pages"):
+        case = decode_case(spec, torch.device("cuda"), DECODE_LENS, sentinel=sentinel)
+        out = case.run(backend, spec)
+        torch.cuda.synchronize()
+        err, tol = case.error(out), case.tolerance(spec)
+        _record(spec="contract", backend=name, phase="decode", sentinel=str(sentinel), max_abs_err=err,
+                tolerance=tol)
+        assert err <= tol, f"{name} with sentinel {sentinel}: error {err:.3g} > {tol:.3g}"
+        assert out[[0, 6]].abs().max().item() == 0
+
+
+def test_triton_prefill_past_2_31_elements():
+    """Issue 9 item 2: 66 prefix-cached chunks (16 queries after 8192 keys) x 32 KV heads x 128: 2.2e9 elements
+    per K/V tensor. The last chunks lie past 2^31 elements: int32 offsets faulted there."""
+    from tests.feature_cases import reference
+
+    spec = AttentionSpec(32, 32, 128, "bf16", 16)
+    chunks, lq, lk = 66, 16, 8192
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(chunks * lq, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(chunks * lk, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(chunks * lk, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    assert k.numel() > 2**31
+    cu_q = torch.arange(chunks + 1, device="cuda", dtype=torch.int32) * lq
+    cu_k = torch.arange(chunks + 1, device="cuda", dtype=torch.int32) * lk
+    out = get("triton").plan_prefill(spec, cu_q, cu_k, lq, lk)(q, k, v)
+    torch.cuda.synchronize()
+    for s in (0, chunks - 2, chunks - 1):
+        qs, ks = slice(s * lq, (s + 1) * lq), slice(s * lk, (s + 1) * lk)
+        ref = reference(q[qs, :4], k[ks, :4], v[ks, :4], spec.scale)
+        err = (out[qs, :4].float() - ref).abs().max().item()
+        assert err <= 1.6e-2, f"chunk {s}: max abs error {err:.3g}"

@@ -33,6 +33,11 @@ BUILTINS: dict[str, str] = {
     "flashinfer_cuda_cores": "attnsel.backends.flashinfer:BACKEND_CUDA_CORES",
     "triton": "attnsel.backends.triton:BACKEND",
     "torch": "attnsel.backends.torch_sdpa:BACKEND",
+    # library variants whose speed differs by shape (issue 10 item 3)
+    "fa3_packgqa": "attnsel.backends.fa3:BACKEND_PACKGQA",
+    "fa3_split": "attnsel.backends.fa3:BACKEND_SPLIT",
+    "flashinfer_fa2": "attnsel.backends.flashinfer:BACKEND_FA2",
+    "flashinfer_fa3": "attnsel.backends.flashinfer:BACKEND_FA3",
 }
 ENV_PLUGINS = "ATTNSEL_BACKENDS"
 ENTRY_POINT_GROUP = "attnsel.backends"

@@ -1,8 +1,20 @@
 """fa3: FlashAttention 3 (package tokenspeed-fa3, module flash_attn_interface). Hopper only.
 
-Calls the raw op ``torch.ops.flash_attn_3.fwd``: the Python wrappers add a ``torch.library.custom_op`` layer that
-costs ~100 us of host time per call (DESIGN.md), more than a small decode's kernel. Decode scheduling metadata is
-computed once in plan.
+Calls the raw op ``torch.ops.flash_attn_3.fwd`` (schema read from the build: q, k, v, k_new, v_new, q_v, out,
+cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table,
+kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale,
+is_causal, window_size_left, window_size_right, attention_chunk, softcap, is_rotary_interleaved,
+scheduler_metadata, num_splits, pack_gqa, sm_margin, sinks): the Python wrappers add a ``torch.library.custom_op``
+layer that costs ~100 us of host time per call (docs/ARCHITECTURE.md), more than a small decode's kernel. Decode
+scheduling metadata is computed once in plan, with the same window/softcap/split/pack settings as the call.
+
+Features: sliding window as ``window_size=(w - 1, 0)``; sinks (the op takes them as bfloat16 ``[num_q_heads]``);
+softcap only where the build has it (tokenspeed-fa3 3.0.0 is built with FLASHATTENTION_DISABLE_SOFTCAP); an fp8
+e4m3 cache needs fp8 queries too (FA3 requires q, k, v of one dtype), so decode quantises q per (sequence, KV head)
+with a scale computed on the device (amax / 448) and passes q/k/v descale factors; its output is bf16.
+Variants: ``fa3_packgqa`` forces ``pack_gqa=True`` (the default lets FA3's heuristic decide); ``fa3_split`` (prefill)
+lets FA3 split the keys of a sequence (``num_splits=0``, its heuristic; ``fa3`` prefill uses 1): prefix-cached
+chunks with few queries and long keys.
 """
 from __future__ import annotations
 
@@ -10,12 +22,14 @@ import importlib.util
 
 import torch
 
-from ..device import capability_reason, package_version
+from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
+from .support import capability_reason, dtype_reason, feature_reasons, joined
 
 # FA3 compiles kernels for these head_dim bins; a head_dim runs in the smallest bin that holds it.
 _HDIM_BINS = (64, 96, 128, 192, 256)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def _build_flags() -> dict:
@@ -35,42 +49,94 @@ def head_dim_reason(head_dim: int) -> str | None:
     return None
 
 
+def feature_support() -> tuple[set[str], dict[str, str]]:
+    """(features this FA3 build implements, why for the others), from its build flags."""
+    flags = _build_flags()
+    supported, why = {"sinks", "non_causal"}, {}
+    for key, flag in (("sliding_window", "LOCAL"), ("softcap", "SOFTCAP"), ("kv_dtype", "FP8")):
+        if flags.get(f"FLASHATTENTION_DISABLE_{flag}", False):
+            why[key] = f"this FA3 build was compiled with FLASHATTENTION_DISABLE_{flag}"
+        else:
+            supported.add(key)
+    return supported, why
+
+
+def _window(spec: AttentionSpec) -> tuple[int, int]:
+    return (spec.sliding_window - 1, 0) if spec.sliding_window is not None else (-1, -1)
+
+
 def _fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
-         page_table=None, softmax_scale, causal, scheduler_metadata=None, num_splits=1):
+         page_table=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale, causal,
+         window=(-1, -1), softcap=0.0, scheduler_metadata=None, num_splits=1, pack_gqa=None, sinks=None):
     return torch.ops.flash_attn_3.fwd(
-        q, k, v, None, None, None, None,  # k_new, v_new, qv, out
-        cu_seqlens_q, cu_seqlens_k, None, None, seqused_k, max_seqlen_q, max_seqlen_k,
+        q, k, v, None, None, None, None,  # k_new, v_new, q_v, out
+        cu_seqlens_q, cu_seqlens_k, None, None, seqused_k, max_seqlen_q, max_seqlen_k,  # cu_seqlens_k_new, seqused_q
         page_table, None, None, None, None, None,  # kv_batch_idx, leftpad_k, rotary cos/sin/seqlens
-        None, None, None, softmax_scale, causal,  # q/k/v descale
-        -1, -1, 0, 0.0, True,  # window left/right, attention_chunk, softcap, rotary_interleaved
-        scheduler_metadata, num_splits, None, 0, None)[0]  # pack_gqa, sm_margin, sinks
+        q_descale, k_descale, v_descale, softmax_scale, causal,
+        window[0], window[1], 0, softcap, False,  # attention_chunk, softcap, is_rotary_interleaved
+        scheduler_metadata, num_splits, pack_gqa, 0, sinks)[0]  # sm_margin
+
+
+def _sinks_arg(spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tensor | None:
+    if not spec.sinks:
+        if sinks is not None:
+            raise ValueError("sinks were passed but the spec has sinks=False")
+        return None
+    if sinks is None or sinks.shape != (spec.num_q_heads,):
+        raise ValueError(f"spec.sinks needs sinks: a float32 tensor [num_q_heads={spec.num_q_heads}]")
+    return sinks.to(torch.bfloat16).contiguous()  # the op's dtype for sinks
+
+
+def quantize_q(q: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, D] -> (fp8 e4m3 q, float32 descale [B, num_kv_heads]): one scale per sequence and KV head group,
+    amax / 448, computed on the device (no host sync)."""
+    b, h, d = q.shape
+    grouped = q.float().view(b, num_kv_heads, h // num_kv_heads, d)
+    scale = (grouped.abs().amax(dim=(2, 3)) / FP8_MAX).clamp_min(1e-12)  # [B, KVH]
+    q8 = (grouped / scale[:, :, None, None]).to(torch.float8_e4m3fn).view(b, h, d)
+    return q8, scale
 
 
 class FA3Backend:
-    name = "fa3"
+    def __init__(self, name: str, pack_gqa: bool | None = None, prefill_splits: int = 1,
+                 phases: tuple[str, ...] = ("prefill", "decode")):
+        self.name = name
+        self.pack_gqa = pack_gqa
+        self.prefill_splits = prefill_splits  # 1: no KV split; 0: FA3's heuristic (splits few-query long-key rows)
+        self.phases = phases
 
     def version(self) -> str | None:
         return package_version("tokenspeed-fa3")
 
-    def unsupported(self, spec: AttentionSpec, phase: Phase) -> str | None:
+    def unsupported(self, spec: AttentionSpec, phase: Phase, device: torch.device | None = None) -> str | None:
         if importlib.util.find_spec("flash_attn_interface") is None:
             return "flash_attn_interface is not installed (pip install tokenspeed-fa3)"
-        reasons = [capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9)]
-        if spec.dtype not in ("fp16", "bf16"):
-            reasons.append(f"dtype {spec.dtype} is not supported (fp16, bf16)")
-        reasons.append(head_dim_reason(spec.head_dim))
-        return "; ".join(r for r in reasons if r) or None
+        if phase not in self.phases:
+            return f"this variant differs from fa3 only in {', '.join(self.phases)}"
+        reasons = [capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9, device), dtype_reason(spec),
+                   head_dim_reason(spec.head_dim)]
+        if self.pack_gqa and spec.group_size == 1:
+            reasons.append("pack_gqa changes nothing without GQA (group size 1); fa3 covers this spec")
+        if spec.sliding_window is not None and not spec.causal:
+            reasons.append("a sliding window with non-causal attention is not supported (the window is causal)")
+        supported, why = feature_support()
+        reasons += feature_reasons(spec, phase, supported, why)
+        return joined(reasons)
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
         import flash_attn_interface  # noqa: F401  registers torch.ops.flash_attn_3
 
         cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
-        scale, causal = spec.scale, spec.causal
+        scale, causal, window = spec.scale, spec.causal, _window(spec)
+        softcap = spec.softcap or 0.0
+        pack_gqa, splits = self.pack_gqa, self.prefill_splits
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
             return _fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal)
+                        max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window=window,
+                        softcap=softcap, num_splits=splits, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks))
 
         return run
 
@@ -79,18 +145,43 @@ class FA3Backend:
 
         page_table = page_table.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
-        max_len = int(lens.max())
-        scale = spec.scale
+        batch = lens.numel()
+        max_len = max(int(lens.max()), 1) if batch else 1
+        empty_rows = (lens == 0)[:, None, None] if batch and bool((lens == 0).any()) else None
+        scale, window, softcap = spec.scale, _window(spec), spec.softcap or 0.0
+        fp8 = spec.kv_dtype is not None
+        qkv_dtype = spec.kv_torch_dtype if fp8 else spec.torch_dtype
+        pack_gqa, kvh = self.pack_gqa, spec.num_kv_heads
         metadata = get_scheduler_metadata(
-            lens.numel(), 1, max_len, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, lens,
-            qkv_dtype=spec.torch_dtype, page_size=spec.page_size, causal=True, num_splits=0)
+            batch, 1, max_len, spec.num_q_heads, kvh, spec.head_dim, lens, qkv_dtype=qkv_dtype,
+            page_size=spec.page_size, causal=True, window_size=window, has_softcap=softcap > 0, num_splits=0,
+            pack_gqa=pack_gqa)
 
-        def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-            out = _fwd(q.unsqueeze(1), k_cache, v_cache, seqused_k=lens, page_table=page_table,
-                       softmax_scale=scale, causal=True, scheduler_metadata=metadata, num_splits=0)
-            return out.squeeze(1)
+        def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            descale = {}
+            if fp8:
+                if k_scale is None or v_scale is None:
+                    raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element "
+                                     "tensors)")
+                q_in, q_descale = quantize_q(q, kvh)
+                descale = dict(q_descale=q_descale, k_descale=k_scale.float().view(1, 1).expand(batch, kvh),
+                               v_descale=v_scale.float().view(1, 1).expand(batch, kvh))
+            else:
+                q_in = q
+            out = _fwd(q_in.unsqueeze(1), k_cache, v_cache, seqused_k=lens, page_table=page_table,
+                       softmax_scale=scale, causal=True, window=window, softcap=softcap,
+                       scheduler_metadata=metadata, num_splits=0, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks),
+                       **descale).squeeze(1)
+            if out.dtype != q.dtype:  # fp8 inputs give bf16
+                out = out.to(q.dtype)
+            if empty_rows is not None:  # zero-length rows (CUDA-graph padding) are zeros by contract
+                out = out.masked_fill(empty_rows, 0.0)
+            return out
 
         return run
 
 
-BACKEND = FA3Backend()
+BACKEND = FA3Backend("fa3")
+BACKEND_PACKGQA = FA3Backend("fa3_packgqa", pack_gqa=True)
+BACKEND_SPLIT = FA3Backend("fa3_split", prefill_splits=0, phases=("prefill",))

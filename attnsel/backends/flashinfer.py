@@ -1,11 +1,21 @@
 """flashinfer: FlashInfer's ragged prefill and paged decode wrappers (plan once per batch, run per layer).
 
-Two decode variants are separate candidates because they differ in speed by up to 1.9x (DESIGN.md):
-``flashinfer`` (tensor-core decode kernels) and ``flashinfer_cuda_cores``.
+Variants are separate candidates because their speed differs by shape (up to 1.9x in decode, docs/ARCHITECTURE.md):
+``flashinfer`` (prefill: FlashInfer's own template choice, its FA3 template on Hopper; decode: tensor-core kernels),
+``flashinfer_cuda_cores`` (decode on CUDA cores), ``flashinfer_fa2`` (prefill on the FA2 template, Hopper only: below
+Hopper it is what ``flashinfer`` runs), ``flashinfer_fa3`` (tensor-core decode on the FA3 template, Hopper only).
 
-Workspace: one zeroed float buffer per device, ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
-recommendation for real batches); the validation worker sets 32. The wrappers, and so the plans, are one per device
-and phase: a run function is valid until the next plan of the same phase and variant on that device.
+Features (FlashInfer 0.6.4): sliding window (``window_left = w - 1``) and logit softcap (``logits_soft_cap``) at
+plan time; an fp8 e4m3 decode cache (``kv_data_type``) with ``k_scale`` folded into the softmax scale on the host
+(FlashInfer takes it as a Python float: the tensor is read once per tensor version, a host sync only then) and
+``v_scale`` applied to the output on the device. Sinks (``flashinfer`` only): FlashInfer's
+BatchAttentionWithAttentionSinkWrapper, a paged prefill JIT variant (its own module per dtype/window) that adds the
+sink to the first KV tile's softmax state; decode plans it with one query per sequence, prefill with the ragged k/v
+viewed as a paged cache of page size 1. That variant has no softcap and no fp8 dequantisation: declined with sinks.
+
+Workspace: one zeroed float buffer per device of ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
+recommendation for real batches), used for validation and serving alike. The wrappers, and so the plans, are one per
+device, phase and variant: a run function is valid until the next plan of the same wrapper.
 FlashInfer JIT-compiles kernels on first use (minutes on a fresh machine) into ``jit_cache_dir()``.
 """
 from __future__ import annotations
@@ -17,15 +27,18 @@ import os
 
 import torch
 
-from ..device import capability_reason, package_version
+from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
+from .support import capability_reason, dtype_reason, feature_reasons, joined
 
 log = logging.getLogger(__name__)
 
 HEAD_DIMS = (64, 128, 256)
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE in flashinfer/utils.cuh
 WORKSPACE_ENV = "ATTNSEL_FLASHINFER_WORKSPACE_MB"
+SINKS_WHY = ("FlashInfer 0.6.4 takes sinks only in its trtllm-gen (Blackwell) path and in the attention-sink JIT "
+             "variant, which attnsel uses for the flashinfer candidate only")
 
 
 def workspace_bytes() -> int:
@@ -51,17 +64,32 @@ def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
 
 
 @functools.cache
-def _wrapper(device: torch.device, kind: str, nbytes: int):
+def _wrapper(device: torch.device, kind: str, nbytes: int, template: str):
+    """One wrapper per device, kind ("prefill", "decode_tc", "decode_cc") and template ("auto", "fa2", "fa3")."""
     import flashinfer
 
     ws = _workspace(device, nbytes)
     if kind == "prefill":
-        return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"))
+        return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=template)
+    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"),
+                                                         backend=template)
+
+
+@functools.cache
+def _sink_wrapper(device: torch.device, phase: str, nbytes: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                  head_dim: int, window_left: int):
+    """FlashInfer's attention-sink variant (one JIT module per dtype, head_dim and windowed-or-not); one wrapper per
+    phase, as for the others."""
+    import flashinfer
+
+    return flashinfer.BatchAttentionWithAttentionSinkWrapper(
+        _workspace(device, nbytes), "NHD", backend="auto", q_data_type=q_dtype, kv_data_type=kv_dtype,
+        head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=window_left)
 
 
 def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
-    """(indptr, indices, last_page_len) in FlashInfer's CSR form from a page table and sequence lengths."""
+    """(indptr, indices, last_page_len) in FlashInfer's CSR form from a page table and sequence lengths; only the
+    first ceil(len / page_size) entries of each row are read (later ones may be sentinels)."""
     lens = seq_lens.to(torch.int32)
     pages = (lens + page_size - 1) // page_size
     indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
@@ -72,59 +100,191 @@ def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size:
     return indptr, indices, last
 
 
+class HostScalar:
+    """The float value of a one-element device tensor, read once per tensor and version (a host sync only then)."""
+
+    def __init__(self):
+        self._tensor: torch.Tensor | None = None  # kept alive, so identity cannot be reused by another tensor
+        self._version = -1
+        self._value = 0.0
+
+    def __call__(self, t: torch.Tensor) -> float:
+        if t is not self._tensor or t._version != self._version:
+            self._value = float(t.reshape(-1)[0].item())
+            self._tensor, self._version = t, t._version
+        return self._value
+
+
 class FlashInferBackend:
-    def __init__(self, name: str, tensor_cores: bool):
+    def __init__(self, name: str, *, phases: tuple[str, ...], prefill_template: str = "auto",
+                 decode_kind: str = "decode_tc", decode_template: str = "auto", hopper_only: bool = False,
+                 same_as: str = "flashinfer"):
         self.name = name
-        self.tensor_cores = tensor_cores
+        self.phases = phases
+        self.prefill_template = prefill_template
+        self.decode_kind = decode_kind
+        self.decode_template = decode_template
+        self.hopper_only = hopper_only  # the variant differs from `same_as` only on Hopper
+        self.same_as = same_as
+        self.first_use_note = ("first use JIT-compiles kernels: about 2 minutes on a fresh machine"
+                               if decode_kind == "decode_tc" or "prefill" in phases else
+                               "first use JIT-compiles kernels: about 20 s on a fresh machine")
 
     def version(self) -> str | None:
         return package_version("flashinfer-python")
 
-    def unsupported(self, spec: AttentionSpec, phase: Phase) -> str | None:
+    def report_extras(self) -> dict:
+        return {"flashinfer_jit_dir": jit_cache_dir()}
+
+    def unsupported(self, spec: AttentionSpec, phase: Phase, device: torch.device | None = None) -> str | None:
         if importlib.util.find_spec("flashinfer") is None:
             return "flashinfer is not installed (pip install flashinfer-python)"
-        reasons = [capability_reason(">= 8.0", lambda cap: cap >= (8, 0))]
-        if spec.dtype not in ("fp16", "bf16"):
-            reasons.append(f"dtype {spec.dtype} is not supported (fp16, bf16)")
+        if phase not in self.phases:
+            return f"this variant differs from {self.same_as} only in {', '.join(self.phases)}"
+        if self.hopper_only:
+            need = capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9, device)
+            reasons = [need and f"{need}: below Hopper this variant is what {self.same_as} runs"]
+        else:
+            reasons = [capability_reason(">= 8.0", lambda cap: cap >= (8, 0), device)]
+        reasons.append(dtype_reason(spec))
         if spec.head_dim not in HEAD_DIMS:
             reasons.append(f"head_dim {spec.head_dim} is not supported (supported: "
                            f"{', '.join(map(str, HEAD_DIMS))})")
-        if phase == "prefill" and not self.tensor_cores:
-            reasons.append("this variant differs from flashinfer only in decode; its prefill is flashinfer's")
-        if phase == "decode" and not self.tensor_cores and spec.group_size not in CUDA_CORE_GROUP_SIZES:
+        if phase == "decode" and self.decode_kind == "decode_cc" and spec.group_size not in CUDA_CORE_GROUP_SIZES:
             reasons.append(f"GQA group size {spec.group_size} is not supported by FlashInfer's CUDA-core decode "
                            f"(supported: {', '.join(map(str, CUDA_CORE_GROUP_SIZES))})")
-        return "; ".join(r for r in reasons if r) or None
+        if spec.sliding_window is not None and not spec.causal:
+            reasons.append("a sliding window with non-causal attention is not supported (the window is causal)")
+        supported = {"sliding_window", "softcap", "kv_dtype", "non_causal"}
+        why = {"sinks": SINKS_WHY}
+        if self.name == "flashinfer":
+            supported.add("sinks")
+            if spec.sinks and spec.softcap is not None:
+                reasons.append("attention sinks with a logit softcap: not supported (FlashInfer's attention-sink "
+                               "variant has no softcap)")
+            if spec.sinks and spec.kv_dtype is not None and phase == "decode":
+                reasons.append("attention sinks with an fp8 KV cache: not supported (FlashInfer's attention-sink "
+                               "variant does not dequantise)")
+        if phase == "decode" and self.decode_template == "fa3":
+            supported.discard("kv_dtype")
+            why["kv_dtype"] = "FlashInfer's FA3 template needs fp8 queries with an fp8 KV cache"
+        reasons += feature_reasons(spec, phase, supported, why)
+        return joined(reasons)
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
-        wrapper = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes())
+        if spec.sinks:
+            return self._plan_prefill_sinks(spec, cu_seqlens_q, cu_seqlens_k)
+        wrapper = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template)
         wrapper.plan(cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), spec.num_q_heads,
                      spec.num_kv_heads, spec.head_dim, causal=spec.causal, sm_scale=spec.scale,
+                     window_left=_window_left(spec), logits_soft_cap=spec.softcap,
                      q_data_type=spec.torch_dtype, kv_data_type=spec.torch_dtype)
-        return self._checked(wrapper, lambda q, k, v: wrapper.run(q, k, v))
+
+        def call(q, k, v, *, sinks=None):
+            _no_sinks(sinks)
+            return wrapper.run(q, k, v)
+
+        return self._checked(wrapper, call)
+
+    def _plan_prefill_sinks(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+                            ) -> RunFn:
+        """Ragged k/v [total_k, kvh, d] as a paged cache of page size 1: page i is key row i."""
+        device = cu_seqlens_q.device
+        wrapper = _sink_wrapper(device, "prefill", workspace_bytes(), spec.torch_dtype, spec.torch_dtype,
+                                spec.head_dim, _window_left(spec))
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        total_k = int(cu_k[-1])
+        indices = torch.arange(total_k, dtype=torch.int32, device=device)
+        last = torch.ones(cu_k.numel() - 1, dtype=torch.int32, device=device)
+        wrapper.plan(cu_q, cu_k, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, 1,
+                     causal=spec.causal, sm_scale=spec.scale, window_left=_window_left(spec),
+                     q_data_type=spec.torch_dtype, kv_data_type=spec.torch_dtype)
+        scale = spec.scale
+
+        def call(q, k, v, *, sinks=None):
+            return wrapper.run(q, (k.unsqueeze(1), v.unsqueeze(1)), _sinks_arg(spec, sinks), scale)
+
+        return self._checked(wrapper, call)
+
+    def _plan_decode_sinks(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
+        device = seq_lens.device
+        wrapper = _sink_wrapper(device, "decode", workspace_bytes(), spec.torch_dtype, spec.kv_torch_dtype,
+                                spec.head_dim, _window_left(spec))
+        indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
+        qo_indptr = torch.arange(seq_lens.numel() + 1, dtype=torch.int32, device=device)
+        wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
+                     spec.page_size, causal=True, sm_scale=spec.scale, window_left=_window_left(spec),
+                     q_data_type=spec.torch_dtype, kv_data_type=spec.kv_torch_dtype)
+        lens = seq_lens.to(torch.int32)
+        empty_rows = (lens == 0)[:, None, None] if lens.numel() and bool((lens == 0).any()) else None
+        scale = spec.scale
+
+        def call(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
+            out = wrapper.run(q, (k_cache, v_cache), _sinks_arg(spec, sinks), scale)
+            return out.masked_fill(empty_rows, 0.0) if empty_rows is not None else out
+
+        return self._checked(wrapper, call)
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
-        kind = "decode_tc" if self.tensor_cores else "decode_cc"
-        wrapper = _wrapper(seq_lens.device, kind, workspace_bytes())
+        if spec.sinks:
+            return self._plan_decode_sinks(spec, page_table, seq_lens)
+        wrapper = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
         wrapper.plan(indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
-                     sm_scale=spec.scale, q_data_type=spec.torch_dtype, kv_data_type=spec.torch_dtype)
-        return self._checked(wrapper, lambda q, k_cache, v_cache: wrapper.run(q, (k_cache, v_cache)))
+                     window_left=_window_left(spec), logits_soft_cap=spec.softcap, sm_scale=spec.scale,
+                     q_data_type=spec.torch_dtype, kv_data_type=spec.kv_torch_dtype)
+        lens = seq_lens.to(torch.int32)
+        empty_rows = (lens == 0)[:, None, None] if lens.numel() and bool((lens == 0).any()) else None
+        fp8 = spec.kv_dtype is not None
+        k_scale_host = HostScalar()
+
+        def call(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
+            _no_sinks(sinks)
+            if fp8:
+                if k_scale is None or v_scale is None:
+                    raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element "
+                                     "tensors)")
+                out = wrapper.run(q, (k_cache, v_cache), k_scale=k_scale_host(k_scale))
+                out = (out * v_scale).to(q.dtype)  # on the device, in float32 (FlashInfer's own v_scale is a float)
+            else:
+                out = wrapper.run(q, (k_cache, v_cache))
+            if empty_rows is not None:  # zero-length rows (CUDA-graph padding) are zeros by contract
+                out = out.masked_fill(empty_rows, 0.0)
+            return out
+
+        return self._checked(wrapper, call)
 
     def _checked(self, wrapper, call) -> RunFn:
         """The run function of the wrapper's current plan; it raises once a later plan replaced that one."""
         generation = wrapper.attnsel_plans = getattr(wrapper, "attnsel_plans", 0) + 1
         name = self.name
 
-        def run(*tensors: torch.Tensor) -> torch.Tensor:
+        def run(*tensors: torch.Tensor, **kwargs) -> torch.Tensor:
             if wrapper.attnsel_plans != generation:
                 raise RuntimeError(f"{name}: this run function belongs to an earlier plan; FlashInfer keeps one "
                                    "plan per device and phase, so plan again for this batch")
-            return call(*tensors)
+            return call(*tensors, **kwargs)
 
         return run
 
 
-BACKEND = FlashInferBackend("flashinfer", tensor_cores=True)
-BACKEND_CUDA_CORES = FlashInferBackend("flashinfer_cuda_cores", tensor_cores=False)
+def _window_left(spec: AttentionSpec) -> int:
+    return spec.sliding_window - 1 if spec.sliding_window is not None else -1
+
+
+def _no_sinks(sinks) -> None:
+    if sinks is not None:
+        raise ValueError("sinks were passed but the spec has sinks=False")
+
+
+def _sinks_arg(spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tensor:
+    if sinks is None or sinks.shape != (spec.num_q_heads,) or sinks.dtype != torch.float32:
+        raise ValueError(f"spec.sinks needs sinks: a float32 tensor [num_q_heads={spec.num_q_heads}]")
+    return sinks
+
+
+BACKEND = FlashInferBackend("flashinfer", phases=("prefill", "decode"))
+BACKEND_CUDA_CORES = FlashInferBackend("flashinfer_cuda_cores", phases=("decode",), decode_kind="decode_cc")
+BACKEND_FA2 = FlashInferBackend("flashinfer_fa2", phases=("prefill",), prefill_template="fa2", hopper_only=True)
+BACKEND_FA3 = FlashInferBackend("flashinfer_fa3", phases=("decode",), decode_template="fa3", hopper_only=True)

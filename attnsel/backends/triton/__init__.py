@@ -5,17 +5,22 @@ Runs compiled on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_IN
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import importlib.util
 import math
 import os
+from pathlib import Path
 
 import torch
 
 from ...device import package_version
 from ...spec import AttentionSpec
 from .. import Phase, RunFn
+from ..support import capability_reason, dtype_reason, feature_reasons, joined
 
 MAX_HEAD_DIM = 256
+INT32_OFFSETS = 2**31  # offsets inside one sequence at or past this need the kernels' LONG (64-bit) variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +29,15 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+
+
+@functools.cache
+def sources_hash() -> str:
+    """sha256 (12 hex digits) of this package's Python sources: the kernels and how they are launched."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def interpreted() -> bool:
@@ -40,9 +54,11 @@ def prefill_config(head_dim: int) -> TileConfig:
     return TileConfig(64, 32, 4, 2)
 
 
-def decode_config(head_dim: int) -> TileConfig:
+def decode_config(head_dim: int, fp8: bool = False) -> TileConfig:
     if interpreted():
         return TileConfig(0, 32, 4, 1)
+    if fp8 and head_dim <= 128:
+        return TileConfig(0, 128, 4, 3)  # H200 2026-12-03: 64x8192 fp8 530.8 us vs 668.7 us with BLOCK_N 64
     if head_dim <= 128:
         return TileConfig(0, 64, 4, 4)  # H200 sweep 2026-12-02: 4.38 TB/s at 64x4096 (bench/results)
     return TileConfig(0, 32, 4, 2)
@@ -57,59 +73,91 @@ def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device: to
     return max(1, min(want, math.ceil(max_len / (4 * block_n)), 64))
 
 
+def _scale_args(spec: AttentionSpec) -> tuple[float, float]:
+    """(scale_in, SOFTCAP) of kernels._scores for this spec: SOFTCAP is c * log2(e), 0.0 without a softcap."""
+    from .kernels import LOG2E
+
+    if spec.softcap is None:
+        return spec.scale * LOG2E, 0.0
+    return 2.0 * spec.scale / spec.softcap, spec.softcap * LOG2E
+
+
+def _check_sinks(spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tensor | None:
+    if not spec.sinks:
+        if sinks is not None:
+            raise ValueError("sinks were passed but the spec has sinks=False")
+        return None
+    if sinks is None or sinks.shape != (spec.num_q_heads,) or sinks.dtype != torch.float32:
+        got = None if sinks is None else f"{tuple(sinks.shape)} {sinks.dtype}"
+        raise ValueError(f"spec.sinks needs sinks: a float32 tensor [num_q_heads={spec.num_q_heads}], got {got}")
+    return sinks
+
+
 class TritonBackend:
     name = "triton"
 
     def version(self) -> str | None:
-        return package_version("triton")
+        """The triton package's version and a hash of our kernel sources: a changed kernel is validated anew."""
+        return f"{package_version('triton')}+kernels.{sources_hash()}"
 
-    def unsupported(self, spec: AttentionSpec, phase: Phase) -> str | None:
+    def unsupported(self, spec: AttentionSpec, phase: Phase, device: torch.device | None = None) -> str | None:
         reasons = []
         if importlib.util.find_spec("triton") is None:
             reasons.append("the triton package is not installed (pip install triton)")
         if not interpreted():
             if not torch.cuda.is_available():
                 reasons.append("no CUDA device (set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)")
-            elif torch.cuda.get_device_capability() < (8, 0):
-                major, minor = torch.cuda.get_device_capability()
-                reasons.append(f"needs CUDA compute capability >= 8.0, found {major}.{minor}")
-        if spec.dtype not in ("fp16", "bf16"):
-            reasons.append(f"dtype {spec.dtype} is not supported (fp16, bf16)")
+            else:
+                reasons.append(capability_reason(">= 8.0", lambda cap: cap >= (8, 0), device))
+        reasons.append(dtype_reason(spec))
         if spec.head_dim > MAX_HEAD_DIM or spec.head_dim % 8:
             reasons.append(f"head_dim {spec.head_dim} is not supported (multiples of 8 up to {MAX_HEAD_DIM})")
-        return "; ".join(reasons) or None
+        supported = {"sliding_window", "softcap", "sinks", "kv_dtype", "non_causal"}
+        if spec.sliding_window is not None and not spec.causal:
+            reasons.append("a sliding window with non-causal attention is not supported (the window is causal)")
+        reasons += feature_reasons(spec, phase, supported)
+        return joined(reasons)
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
-        from .kernels import LOG2E, prefill_kernel
+        from .kernels import prefill_kernel
 
         cfg = prefill_config(spec.head_dim)
         batch = cu_seqlens_q.numel() - 1
         grid = (max(1, math.ceil(max_seqlen_q / cfg.block_m)), spec.num_q_heads, batch)
-        qk_scale = spec.scale * LOG2E
+        scale_in, softcap = _scale_args(spec)
+        window = spec.sliding_window or 0
         block_d = triton_next_pow2(spec.head_dim)
         cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
         upcast = interpreted()
+        rows_q, rows_k = max_seqlen_q + cfg.block_m, max_seqlen_k + cfg.block_n  # masked tiles reach this far
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
+            sinks = _check_sinks(spec, sinks)
             out = torch.empty_like(q)
-            prefill_kernel[grid](q, k, v, out, cu_q, cu_k, qk_scale,
+            # 64-bit offsets inside a sequence only where one sequence's rows x stride can pass 2^31
+            long = max(rows_q * q.stride(0), rows_k * k.stride(0), rows_k * v.stride(0)) >= INT32_OFFSETS
+            prefill_kernel[grid](q, k, v, out, cu_q, cu_k, sinks, scale_in,
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                  out.stride(0), out.stride(1),
                                  GROUP=spec.group_size, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
-                                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=spec.causal, UPCAST=upcast,
+                                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=spec.causal, WINDOW=window,
+                                 SOFTCAP=softcap, HAS_SINKS=sinks is not None, LONG=long, UPCAST=upcast,
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return out
 
         return run
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
-        from .kernels import LOG2E, decode_kernel, decode_reduce_kernel
+        from .kernels import decode_kernel, decode_reduce_kernel
 
-        cfg = decode_config(spec.head_dim)
+        cfg = decode_config(spec.head_dim, fp8=True) if spec.kv_dtype else decode_config(spec.head_dim)
         batch = seq_lens.numel()
         max_len = int(seq_lens.max()) if batch else 1
-        splits = num_splits(batch, spec.num_kv_heads, max_len, cfg.block_n, seq_lens.device)
+        if spec.sliding_window is not None:
+            max_len = min(max_len, spec.sliding_window)  # each row reads at most the window
+        splits = num_splits(batch, spec.num_kv_heads, max(max_len, 1), cfg.block_n, seq_lens.device)
         block_d = triton_next_pow2(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         device = seq_lens.device
@@ -120,25 +168,39 @@ class TritonBackend:
             lse_part = torch.empty(batch, spec.num_q_heads, splits, dtype=torch.float32, device=device)
         else:
             o_part = lse_part = lens  # unused placeholders
-        qk_scale = spec.scale * LOG2E
+        if max(o_part.numel(), page_table.numel()) >= 2**31:
+            raise ValueError(f"triton decode: batch {batch} x {spec.num_q_heads} heads x {splits} splits or the page "
+                             "table passes 2^31 elements (32-bit offsets); use a smaller batch")
+        scale_in, softcap = _scale_args(spec)
+        window = spec.sliding_window or 0
+        fp8 = spec.kv_dtype is not None
         upcast = interpreted()
         heads = spec.num_q_heads
 
-        def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            sinks = _check_sinks(spec, sinks)
+            if fp8 and (k_scale is None or v_scale is None):
+                raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element tensors)")
+            if q.numel() >= 2**31:
+                raise ValueError(f"triton decode: q has {q.numel()} elements, past 2^31 (32-bit offsets)")
             out = torch.empty_like(q)
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
             decode_kernel[(batch, spec.num_kv_heads, splits)](
-                q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, qk_scale, splits, heads,
+                q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, sinks,
+                k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, heads,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
                 out.stride(0), out.stride(1), *part_strides,
                 GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
-                PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1, UPCAST=upcast,
+                PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1, WINDOW=window, SOFTCAP=softcap,
+                HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if splits > 1:
                 decode_reduce_kernel[(batch, heads)](
-                    out, o_part, lse_part, splits, heads, out.stride(0), out.stride(1), *part_strides,
-                    HEAD_DIM=spec.head_dim, BLOCK_D=block_d, BLOCK_S=triton_next_pow2(splits), num_warps=4)
+                    out, o_part, lse_part, sinks, splits, heads, out.stride(0), out.stride(1), *part_strides,
+                    HEAD_DIM=spec.head_dim, BLOCK_D=block_d, BLOCK_S=triton_next_pow2(splits),
+                    HAS_SINKS=sinks is not None, num_warps=4)
             return out
 
         return run

@@ -1,7 +1,20 @@
 """Triton kernels: varlen causal GQA prefill (flash attention, online softmax) and paged split-KV GQA decode.
 
+Features (constexpr switches, no cost when off): a left sliding window (the loops visit only the blocks inside the
+window, decode reads only the window's pages), logit softcap ``c * tanh(s / c)``, per-head sink logits that join the
+softmax denominator, and (decode) an fp8 e4m3 cache dequantised with per-tensor k/v scales: k_scale folds into the
+score scale, v_scale into the output; the dots run in fp16 (q is rounded from bf16 to fp16: exact in fp16's range).
+
+Offsets: a sequence's first query and key rows are 64-bit scalar bases (computed once per program), offsets inside
+one sequence are 32-bit, as fast as before: a ragged batch of 2^31 and more elements (e.g. 32 KV heads x 128 dims x
+524288 keys over many sequences) addresses correctly. Only a single sequence whose rows x stride pass 2^31 needs
+64-bit offsets inside it: the LONG variant, chosen on the host. Decode offsets are 32-bit except the page's (a
+cache of 2^31 elements is common); the plan checks the rest stays below 2^31.
+Switches are constexpr (WINDOW: the window in tokens, 0 = none; SOFTCAP: c * log2(e), 0 = none; HAS_SINKS; FP8):
+with every feature off the kernels compile to what they were without features. Unused pointers may be None.
+
 UPCAST turns the dot operands into float32. It is set only under TRITON_INTERPRET=1, where Triton's interpreter
-computes bf16 dots wrongly (DESIGN.md); compiled kernels keep bf16/fp16 operands and float32 accumulators.
+computes bf16 dots wrongly (docs/ARCHITECTURE.md); compiled kernels keep bf16/fp16 operands and float32 accumulators.
 """
 import triton
 import triton.language as tl
@@ -10,30 +23,50 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _prefill_block(acc, m_i, l_i, q, K, V, k_row0, start_n, offs_m, offs_n, offs_d, len_k, shift, qk_scale,
-                   stride_kt, stride_vt, d_mask, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                   UPCAST: tl.constexpr):
+def _scores(qk, scale_in, SOFTCAP: tl.constexpr):
+    """Raw dot products -> log2-domain scores: s * log2(e), or with SOFTCAP (= c * log2(e)) c * tanh(s / c) * log2(e).
+
+    Without SOFTCAP scale_in = softmax_scale * log2(e); with it scale_in = 2 * softmax_scale / c, using
+    tanh(x) = 2 * sigmoid(2x) - 1.
+    """
+    if SOFTCAP > 0:
+        return SOFTCAP * (2.0 * tl.sigmoid(qk * scale_in) - 1.0)
+    return qk * scale_in
+
+
+@triton.jit
+def _prefill_block(acc, m_i, l_i, q, K, V, start_n, offs_m, offs_n, offs_d, len_k, shift, scale_in,
+                   stride_kt, stride_vt, d_mask, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                   SOFTCAP: tl.constexpr, LONG: tl.constexpr, UPCAST: tl.constexpr):
+    """One BLOCK_N block of keys starting at start_n; K/V point at the sequence's first key row."""
     cols = start_n + offs_n
+    rows = cols.to(tl.int64) if LONG else cols
     if MASKED:
         n_mask = cols < len_k
-        k = tl.load(K + (k_row0 + cols)[None, :] * stride_kt + offs_d[:, None],
-                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        v = tl.load(V + (k_row0 + cols)[:, None] * stride_vt + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        k = tl.load(K + rows[None, :] * stride_kt + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None],
+                    other=0.0)
+        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                    other=0.0)
     else:
-        k = tl.load(K + (k_row0 + cols)[None, :] * stride_kt + offs_d[:, None], mask=d_mask[:, None], other=0.0)
-        v = tl.load(V + (k_row0 + cols)[:, None] * stride_vt + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        k = tl.load(K + rows[None, :] * stride_kt + offs_d[:, None], mask=d_mask[:, None], other=0.0)
+        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :], mask=d_mask[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
-    qk = tl.dot(q, k) * qk_scale
+    qk = _scores(tl.dot(q, k), scale_in, SOFTCAP)
     if MASKED:
         keep = n_mask[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None] + shift)
+        if WINDOW > 0:
+            keep = keep & (cols[None, :] > offs_m[:, None] + shift - WINDOW)
         qk = tl.where(keep, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if WINDOW > 0:  # a row may have no key yet in a block left of its window: keep m -inf, exponentiate against 0
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.exp2(qk - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if UPCAST:
@@ -44,11 +77,22 @@ def _prefill_block(acc, m_i, l_i, q, K, V, k_row0, start_n, offs_m, offs_n, offs
 
 
 @triton.jit
-def prefill_kernel(Q, K, V, O, cu_q, cu_k, qk_scale,
+def _add_sinks(acc, m_i, l_i, SINKS, heads, h_mask):
+    """Fold per-head sink logits (natural log units) into the denominator: l += exp(sink), rescaled."""
+    s = tl.load(SINKS + heads, mask=h_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    m_f = tl.maximum(m_i, s)
+    m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
+    alpha = tl.exp2(m_i - m_f)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(s - m_f)
+
+
+@triton.jit
+def prefill_kernel(Q, K, V, O, cu_q, cu_k, SINKS, scale_in,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
-    """Grid (cdiv(max_q, BLOCK_M), num_q_heads, batch). qk_scale = softmax_scale * log2(e)."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                   SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, LONG: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (cdiv(max_q, BLOCK_M), num_q_heads, batch). See _scores for scale_in and SOFTCAP; WINDOW in tokens."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -65,49 +109,72 @@ def prefill_kernel(Q, K, V, O, cu_q, cu_k, qk_scale,
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     m_mask = offs_m < len_q
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_rows = offs_m.to(tl.int64) if LONG else offs_m
+    Q += q_start.to(tl.int64) * stride_qt + head * stride_qh  # 64-bit: the batch's rows may pass 2^31 elements
+    O += q_start.to(tl.int64) * stride_ot + head * stride_oh
+    K += k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    V += k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    q = tl.load(Q + q_rows[:, None] * stride_qt + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :],
+                other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    K += kv_head * stride_kh
-    V += kv_head * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row0 = pid_m * BLOCK_M + shift  # key position of the tile's first query
     if CAUSAL:
         end_n = tl.minimum(len_k, (pid_m + 1) * BLOCK_M + shift)
-        full_n = ((pid_m * BLOCK_M + shift + 1) // BLOCK_N) * BLOCK_N  # every row of the tile sees these keys
+        full_n = ((row0 + 1) // BLOCK_N) * BLOCK_N  # every row of the tile sees these keys
     else:
         end_n = len_k
         full_n = (len_k // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_n, BLOCK_N):
-        acc, m_i, l_i = _prefill_block(acc, m_i, l_i, q, K, V, k_start, start_n, offs_m, offs_n, offs_d, len_k,
-                                       shift, qk_scale, stride_kt, stride_vt, d_mask, False, CAUSAL, UPCAST)
+    mid = 0
+    if WINDOW > 0:  # (CAUSAL too) keys j > row - WINDOW: skip the blocks left of the first row's window
+        lo = (tl.maximum(row0 - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        mid = tl.cdiv(tl.maximum(row0 + BLOCK_M - WINDOW, 0), BLOCK_N) * BLOCK_N  # inside every row's window
+        mid = tl.minimum(tl.maximum(mid, lo), full_n)
+        for start_n in range(lo, mid, BLOCK_N):
+            acc, m_i, l_i = _prefill_block(acc, m_i, l_i, q, K, V, start_n, offs_m, offs_n, offs_d, len_k, shift,
+                                           scale_in, stride_kt, stride_vt, d_mask, True, CAUSAL, WINDOW, SOFTCAP,
+                                           LONG, UPCAST)
+    for start_n in range(mid, full_n, BLOCK_N):
+        acc, m_i, l_i = _prefill_block(acc, m_i, l_i, q, K, V, start_n, offs_m, offs_n, offs_d, len_k, shift,
+                                       scale_in, stride_kt, stride_vt, d_mask, False, CAUSAL, WINDOW, SOFTCAP, LONG,
+                                       UPCAST)
     for start_n in range(full_n, end_n, BLOCK_N):
-        acc, m_i, l_i = _prefill_block(acc, m_i, l_i, q, K, V, k_start, start_n, offs_m, offs_n, offs_d, len_k,
-                                       shift, qk_scale, stride_kt, stride_vt, d_mask, True, CAUSAL, UPCAST)
+        acc, m_i, l_i = _prefill_block(acc, m_i, l_i, q, K, V, start_n, offs_m, offs_n, offs_d, len_k, shift,
+                                       scale_in, stride_kt, stride_vt, d_mask, True, CAUSAL, WINDOW, SOFTCAP, LONG,
+                                       UPCAST)
+    if HAS_SINKS:
+        acc, l_i = _add_sinks(acc, m_i, l_i, SINKS, head + offs_m * 0, m_mask)
     out = acc / l_i[:, None]
-    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(O + q_rows[:, None] * stride_ot + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
-def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, qk_scale, num_splits, num_heads,
+def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCALE, scale_in, num_splits, num_heads,
                   stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   stride_ptb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                  SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (batch, num_kv_heads, num_splits): the query heads of one KV head read each K/V tile once.
 
+    Reads only tokens [max(0, len - WINDOW), len) of row b: page-table entries and cache slots past a sequence's
+    length are never loaded (engines leave garbage there). A row of length 0 outputs zeros.
     Without SPLIT the result goes to O; with it, normalised partial outputs and their log2-sum-exp go to
-    O_part [B, H, S, BLOCK_D] / LSE_part [B, H, S] (both contiguous) for decode_reduce_kernel.
+    O_part [B, H, S, BLOCK_D] / LSE_part [B, H, S] (both contiguous) for decode_reduce_kernel, which adds sinks.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(LENS + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -119,6 +186,10 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, qk_scale, num_splits, 
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    elif FP8:  # e4m3 -> fp16 is one cvt per pair on Hopper (-> bf16 costs a second one): dots in fp16
+        q = q.to(tl.float16)
+    if FP8:
+        scale_in = scale_in * tl.load(K_SCALE)  # real k = stored k * k_scale
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -138,7 +209,10 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, qk_scale, num_splits, 
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        elif FP8:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        qk = _scores(tl.dot(q, tl.trans(k)), scale_in, SOFTCAP)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -147,6 +221,8 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, qk_scale, num_splits, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(V_SCALE)
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -155,15 +231,19 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, qk_scale, num_splits, 
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(LSE_part + (b * num_heads + heads) * num_splits + split, lse, mask=g_mask)
     else:
+        if HAS_SINKS:
+            acc, l_i = _add_sinks(acc, m_i, l_i, SINKS, heads, g_mask)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a zero-length row: acc is 0, out 0
         tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 (acc / l_i[:, None]).to(O.dtype.element_ty), mask=out_mask)
+                 (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def decode_reduce_kernel(O, O_part, LSE_part, num_splits, num_heads, stride_ob, stride_oh, stride_pb, stride_ph,
-                         stride_ps,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Grid (batch, num_q_heads): merge the splits' partial outputs weighted by their sum-exp."""
+def decode_reduce_kernel(O, O_part, LSE_part, SINKS, num_splits, num_heads, stride_ob, stride_oh, stride_pb,
+                         stride_ph, stride_ps,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         HAS_SINKS: tl.constexpr):
+    """Grid (batch, num_q_heads): merge the splits' partial outputs weighted by their sum-exp (and the sink's)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -172,8 +252,15 @@ def decode_reduce_kernel(O, O_part, LSE_part, num_splits, num_heads, stride_ob, 
     base = b * stride_pb + h * stride_ph
     lse = tl.load(LSE_part + (b * num_heads + h) * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a zero-length row)
     w = tl.exp2(lse - m)
-    w = w / tl.sum(w, 0)
+    den = tl.sum(w, 0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m)
+    w = w / tl.where(den == 0.0, 1.0, den)
     part = tl.load(O_part + base + offs_s[:, None] * stride_ps + offs_d[None, :],
                    mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0)

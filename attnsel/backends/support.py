@@ -1,0 +1,71 @@
+"""Support checks shared by the backends: the same sentence for the same limit, whichever backend states it.
+
+Each helper returns a reason (str) or None; a backend's ``unsupported`` joins the non-None ones with ``joined``.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from ..device import cuda_capability
+from ..spec import AttentionSpec
+
+# Spec features a backend may or may not implement (AttentionSpec docstring); the keys backends name.
+FEATURES = ("sliding_window", "softcap", "sinks", "kv_dtype", "non_causal")
+
+
+def dtype_reason(spec: AttentionSpec, allowed: tuple[str, ...] = ("fp16", "bf16")) -> str | None:
+    if spec.dtype in allowed:
+        return None
+    return f"dtype {spec.dtype} is not supported ({', '.join(allowed)})"
+
+
+def capability_reason(need: str, ok, device: torch.device | str | int | None = None) -> str | None:
+    """None if the CUDA capability of ``device`` (default: the current device) passes ``ok((major, minor))``."""
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return f"needs a CUDA device with compute capability {need}, got device {device}"
+    cap = cuda_capability(device)
+    if cap is None:
+        return f"needs CUDA compute capability {need}, found none (no CUDA device)"
+    if not ok(cap):
+        return f"needs CUDA compute capability {need}, found {cap[0]}.{cap[1]}"
+    return None
+
+
+def spec_features(spec: AttentionSpec, phase: str) -> dict[str, str]:
+    """The optional features this spec uses in this phase: key (FEATURES) -> words. kv_dtype is a decode matter
+    (prefill takes k/v in ``spec.dtype``)."""
+    used = {}
+    if spec.sliding_window is not None:
+        used["sliding_window"] = f"sliding window ({spec.sliding_window} tokens)"
+    if spec.softcap is not None:
+        used["softcap"] = f"logit softcap ({spec.softcap:g})"
+    if spec.sinks:
+        used["sinks"] = "attention sinks"
+    if spec.kv_dtype is not None and phase == "decode":
+        used["kv_dtype"] = f"{spec.kv_dtype} KV cache"
+    if not spec.causal:
+        used["non_causal"] = "non-causal attention"
+    return used
+
+
+def feature_reasons(spec: AttentionSpec, phase: str, supported: Collection[str],
+                    why: dict[str, str] | None = None) -> list[str]:
+    """One reason per feature the spec uses and the backend does not implement in this phase.
+
+    ``supported``: the feature keys the backend implements; ``why``: an optional explanation per feature key
+    (e.g. "this FA3 build was compiled without softcap").
+    """
+    why = why or {}
+    reasons = []
+    for key, words in spec_features(spec, phase).items():
+        if key not in supported:
+            reasons.append(f"{words}: not supported in {phase}" + (f" ({why[key]})" if key in why else ""))
+    return reasons
+
+
+def joined(reasons) -> str | None:
+    """The non-empty reasons joined by '; ', or None when there are none."""
+    text = "; ".join(r for r in reasons if r)
+    return text or None

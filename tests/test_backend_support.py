@@ -1,0 +1,131 @@
+"""What each built-in backend declares it cannot serve, checked on the CPU with the libraries faked as installed.
+
+A backend must name every spec feature it does not implement (never ignore one), and check the compute capability
+of the device it is asked about, not of the current device.
+"""
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+
+import attnsel.backends.support as support
+from attnsel.backends import BUILTINS, get
+from attnsel.spec import AttentionSpec
+
+# tokenspeed-fa3 3.0.0.post20260810's flash_attn_config.CONFIG["build_flags"] (read from the staged wheel)
+FA3_FLAGS = {"FLASHATTENTION_DISABLE_LOCAL": False, "FLASHATTENTION_DISABLE_SOFTCAP": True,
+             "FLASHATTENTION_DISABLE_FP8": False, "FLASHATTENTION_DISABLE_PACKGQA": False,
+             "FLASHATTENTION_DISABLE_HDIM64": False, "FLASHATTENTION_DISABLE_HDIM96": True,
+             "FLASHATTENTION_DISABLE_HDIM128": False, "FLASHATTENTION_DISABLE_HDIM192": False,
+             "FLASHATTENTION_DISABLE_HDIM256": False}
+CAPS = {"cuda:0": (9, 0), "cuda:1": (8, 0)}
+FEATURES = {  # spec field values -> the words a reason must contain
+    "sliding_window": ({"sliding_window": 64}, "sliding window"),
+    "softcap": ({"softcap": 30.0}, "softcap"),
+    "sinks": ({"sinks": True}, "sinks"),
+    "kv_dtype": ({"kv_dtype": "fp8_e4m3"}, "fp8_e4m3"),
+}
+
+
+@pytest.fixture
+def hopper_with_libraries(monkeypatch):
+    """flash_attn_interface and flashinfer 'installed'; cuda:0 is an H200 (9.0), cuda:1 an A100 (8.0)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("flash_attn_interface", "flashinfer") else real(name, *a))
+    config = types.ModuleType("flash_attn_config")
+    config.CONFIG = {"build_flags": FA3_FLAGS}
+    monkeypatch.setitem(sys.modules, "flash_attn_config", config)
+    monkeypatch.setattr(support, "cuda_capability",
+                        lambda device=None: CAPS["cuda:0" if device is None else str(device)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def _reason(name, phase, **fields):
+    return get(name).unsupported(AttentionSpec(32, 8, 128, **fields), phase)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("name", [n for n in BUILTINS if n != "torch"])
+def test_every_feature_is_served_or_named(name, feature, hopper_with_libraries):
+    """With the base spec servable, adding one feature either leaves it servable (the backend implements it) or
+    adds a reason naming that feature."""
+    fields, words = FEATURES[feature]
+    for phase in ("prefill", "decode"):
+        base = _reason(name, phase)
+        with_feature = _reason(name, phase, **fields)
+        if base is not None:
+            assert base.startswith("this variant differs")
+            continue
+        if with_feature is not None:
+            assert words in with_feature, with_feature
+
+
+@pytest.mark.parametrize("name, phase, feature, why", [
+    ("fa3", "prefill", "softcap", "FLASHATTENTION_DISABLE_SOFTCAP"),
+    ("fa3", "decode", "softcap", "FLASHATTENTION_DISABLE_SOFTCAP"),
+    ("flashinfer_fa2", "prefill", "sinks", "trtllm-gen"),
+    ("flashinfer_fa3", "decode", "sinks", "trtllm-gen"),
+    ("flashinfer_cuda_cores", "decode", "sinks", "trtllm-gen"),
+    ("flashinfer_fa3", "decode", "kv_dtype", "needs fp8 queries"),
+])
+def test_library_limits_are_named_with_their_cause(name, phase, feature, why, hopper_with_libraries):
+    fields, words = FEATURES[feature]
+    reason = _reason(name, phase, **fields)
+    assert reason is not None and words in reason and why in reason
+
+
+@pytest.mark.parametrize("name, phase", [("fa3", "prefill"), ("fa3", "decode"), ("triton", "decode"),
+                                         ("flashinfer", "decode"), ("flashinfer", "prefill")])
+def test_implemented_features_are_not_declined(name, phase, hopper_with_libraries):
+    fields = {"sliding_window": 64, "kv_dtype": "fp8_e4m3"}
+    if name == "triton":
+        fields.update(softcap=30.0, sinks=True)
+    assert _reason(name, phase, **fields) is None
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_flashinfer_sinks_and_their_limits(phase, hopper_with_libraries):
+    assert _reason("flashinfer", phase, sinks=True, sliding_window=128) is None
+    assert "no softcap" in _reason("flashinfer", phase, sinks=True, softcap=30.0)
+    fp8 = _reason("flashinfer", phase, sinks=True, kv_dtype="fp8_e4m3")
+    assert (fp8 is None) if phase == "prefill" else ("does not dequantise" in fp8)
+
+
+def test_prefill_ignores_kv_dtype(hopper_with_libraries):
+    """The fp8 cache is a decode matter: prefill takes k/v in spec.dtype."""
+    assert _reason("flashinfer_fa2", "prefill", kv_dtype="fp8_e4m3") is None
+
+
+@pytest.mark.parametrize("name", ["fa3", "flashinfer_fa2", "flashinfer_fa3"])
+def test_capability_is_that_of_the_device_asked_about(name, hopper_with_libraries):
+    spec = AttentionSpec(32, 8, 128)
+    phase = "decode" if name == "flashinfer_fa3" else "prefill"
+    assert get(name).unsupported(spec, phase, device=torch.device("cuda:0")) is None
+    reason = get(name).unsupported(spec, phase, device=torch.device("cuda:1"))
+    assert reason is not None and "found 8.0" in reason
+
+
+def test_triton_capability_is_that_of_the_device_asked_about(hopper_with_libraries):
+    CAPS["cuda:2"] = (7, 5)
+    try:
+        reason = get("triton").unsupported(AttentionSpec(32, 8, 128), "decode", device=torch.device("cuda:2"))
+    finally:
+        del CAPS["cuda:2"]
+    assert reason == "needs CUDA compute capability >= 8.0, found 7.5"
+
+
+def test_flashinfer_facts_for_the_generic_layers():
+    for name in ("flashinfer", "flashinfer_cuda_cores", "flashinfer_fa2", "flashinfer_fa3"):
+        backend = get(name)
+        assert "JIT-compiles" in backend.first_use_note
+        assert backend.report_extras()["flashinfer_jit_dir"].endswith("flashinfer")
+
+
+def test_shared_reasons():
+    assert support.dtype_reason(AttentionSpec(4, 2, 64, dtype="fp32")) == "dtype fp32 is not supported (fp16, bf16)"
+    assert support.joined([None, "a", "", "b"]) == "a; b" and support.joined([None]) is None
+    assert support.capability_reason("9.x", lambda c: True, torch.device("cpu")).startswith("needs a CUDA device")

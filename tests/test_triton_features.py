@@ -1,0 +1,232 @@
+"""Triton kernels (interpreted on CPU) with sliding window, softcap, sinks and fp8 KV against a float32 reference.
+
+Also the decode contract: zero-length rows give zeros, and nothing past a sequence's length is read (NaN in unused
+slots and pages, -1 / num_pages sentinels in unused page-table columns), on the single- and split-KV paths.
+The reference (tests/feature_cases.py) is written from the AttentionSpec docstring, independently of the kernels.
+"""
+
+import pytest
+import torch
+
+import attnsel.backends.triton as tb
+from attnsel.backends import get
+from attnsel.spec import AttentionSpec
+from tests.feature_cases import decode_case, prefill_case
+
+TOL = {"fp16": 2e-3, "bf16": 1.6e-2}  # validate.cases.TOL_FLOOR: output rounding to the dtype (|out| <= 1)
+CPU = torch.device("cpu")
+
+
+def _spec(dtype="fp16", **kw):
+    return AttentionSpec(8, 2, 64, dtype=dtype, page_size=kw.pop("page_size", 16), **kw)
+
+
+# ---------------------------------------------------------------- prefill
+
+PREFILL_LQ, PREFILL_LK = [1, 7, 37, 83, 5], [1, 7, 37, 83, 70]  # ragged; the last: 5 queries after 65 cached keys
+
+
+def _prefill(spec, *, q_mul=1.0):
+    case = prefill_case(spec, CPU, PREFILL_LQ, PREFILL_LK, q_mul=q_mul)
+    return case.run(get("triton"), spec), case.ref, case
+
+
+@pytest.mark.parametrize("window", [1, 5, 32, 40, 1000], ids=lambda w: f"w{w}")
+def test_prefill_sliding_window(window):
+    """Windows of 1 token, inside a tile, exactly one interpreter tile (32), across tiles, longer than every
+    sequence; the reference with window+1 differs, so an off-by-one at the boundary fails."""
+    spec = _spec(sliding_window=window)
+    out, ref, _ = _prefill(spec)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max().item() <= TOL["fp16"]
+    if window < 83:
+        wider = prefill_case(_spec(sliding_window=window + 1), CPU, PREFILL_LQ, PREFILL_LK).ref
+        assert (out.float() - wider).abs().max().item() > 10 * TOL["fp16"]
+
+
+def test_prefill_softcap_with_large_logits():
+    spec = _spec(softcap=5.0)
+    out, ref, _ = _prefill(spec, q_mul=4.0)  # scores up to ~100: the cap matters
+    assert (out.float() - ref).abs().max().item() <= TOL["fp16"]
+    plain = _prefill(_spec(), q_mul=4.0)[0]
+    assert (plain.float() - ref).abs().max().item() > 0.1  # the cap changed the answer
+
+
+def test_prefill_sinks():
+    spec = _spec(sinks=True)
+    out, ref, _ = _prefill(spec)
+    assert (out.float() - ref).abs().max().item() <= TOL["fp16"]
+    assert out[:, 0].float().abs().max().item() < 1e-3  # the large sink (head 0) takes nearly all the weight
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_prefill_all_features_together(dtype):
+    spec = _spec(dtype, sliding_window=20, softcap=8.0, sinks=True)
+    out, ref, _ = _prefill(spec, q_mul=2.0)
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype]
+
+
+def test_prefill_sinks_are_required_when_the_spec_has_them():
+    spec = _spec(sinks=True)
+    run = get("triton").plan_prefill(spec, torch.tensor([0, 4], dtype=torch.int32),
+                                     torch.tensor([0, 4], dtype=torch.int32), 4, 4)
+    x = torch.zeros(4, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float32 tensor"):
+        run(x, x[:, :2], x[:, :2])
+
+
+# ---------------------------------------------------------------- decode
+
+DECODE_LENS = [0, 1, 17, 45, 0, 130, 32]  # zero-length rows (CUDA-graph padding) among real ones
+
+
+def _decode(spec, splits, monkeypatch, lens=DECODE_LENS, sentinel="nan_page"):
+    monkeypatch.setattr(tb, "num_splits", lambda *a: splits)
+    case = decode_case(spec, CPU, lens, sentinel)
+    return case.run(get("triton"), spec), case.ref
+
+
+def _assert_close(out, ref, dtype="fp16"):
+    """Within the dtype's rounding of the output (outputs beyond 1 in magnitude: relative to the largest)."""
+    assert torch.isfinite(out.float()).all(), "NaN or inf in the output"
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype] * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+@pytest.mark.parametrize("sentinel", ["nan_page", -1, "num_pages"])
+def test_decode_zero_length_rows_and_garbage_are_harmless(splits, sentinel, monkeypatch):
+    out, ref = _decode(_spec(page_size=16), splits, monkeypatch, sentinel=sentinel)
+    _assert_close(out, ref)
+    assert out[0].abs().max().item() == 0 and out[4].abs().max().item() == 0  # zero-length rows are zeros
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+@pytest.mark.parametrize("window", [1, 16, 40, 500], ids=lambda w: f"w{w}")
+def test_decode_sliding_window(window, splits, monkeypatch):
+    out, ref = _decode(_spec(page_size=16, sliding_window=window), splits, monkeypatch)
+    _assert_close(out, ref)
+
+
+def test_decode_window_reads_only_the_window(monkeypatch):
+    """Pages wholly before the window are NaN: a kernel that reads them (0 x NaN) outputs NaN."""
+    spec = _spec(page_size=16, sliding_window=20)
+    monkeypatch.setattr(tb, "num_splits", lambda *a: 2)
+    case = decode_case(spec, CPU, [130, 64], "nan_page")
+    page_table = case.plan_args[0]
+    q, k_cache, v_cache = case.inputs
+    for b, n in enumerate([130, 64]):
+        for p in range((n - 20) // 16):  # pages that end before the window starts
+            k_cache[page_table[b, p]] = float("nan")
+            v_cache[page_table[b, p]] = float("nan")
+        page_table[b, : (n - 20) // 16 - 1] = -1  # and their table entries are sentinels
+    _assert_close(case.run(get("triton"), spec), case.ref)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+def test_decode_softcap(splits, monkeypatch):
+    spec = _spec(page_size=16, softcap=2.0)  # unit-variance q.k / 8: some scores beyond the cap
+    out, ref = _decode(spec, splits, monkeypatch)
+    _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+def test_decode_sinks(splits, monkeypatch):
+    out, ref = _decode(_spec(page_size=16, sinks=True), splits, monkeypatch)
+    _assert_close(out, ref)
+    assert out[0].abs().max().item() == 0  # zero-length row with sinks: still zeros
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_decode_fp8_cache_with_scales(dtype, splits, monkeypatch):
+    out, ref = _decode(_spec(dtype, page_size=16, kv_dtype="fp8_e4m3"), splits, monkeypatch)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+def test_decode_all_features_page_5(splits, monkeypatch):
+    spec = _spec(page_size=5, sliding_window=23, softcap=3.0, sinks=True, kv_dtype="fp8_e4m3")
+    out, ref = _decode(spec, splits, monkeypatch, sentinel=-1)
+    _assert_close(out, ref)
+
+
+def test_decode_fp8_needs_scales():
+    spec = _spec(kv_dtype="fp8_e4m3")
+    case = decode_case(spec, CPU, [3], -1)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        get("triton").plan_decode(spec, *case.plan_args)(*case.inputs)
+
+
+def test_unsupported_names_window_without_causal():
+    reason = get("triton").unsupported(_spec(sliding_window=4, causal=False), "prefill")
+    assert "sliding window with non-causal" in reason
+    assert get("triton").unsupported(_spec(sliding_window=4, softcap=1.0, sinks=True, kv_dtype="fp8_e4m3"),
+                                     "decode") is None
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """Every feature combination compiles to sm_90 code (the interpreter does not type-check like the compiler)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"Triton's bundled ptxas is missing ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(Path(os.environ["ATTNSEL_CACHE_DIR"]) / "triton")
+    proc = subprocess.run([sys.executable, "-m", "tests.triton_compile_check"], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("OK ") == 8
+
+
+def test_version_changes_with_the_kernel_sources(tmp_path, monkeypatch):
+    """Issue 9 item 11: the cache key must change when our kernels change, not only with the triton package."""
+    import hashlib
+    from pathlib import Path
+
+    src = Path(tb.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(src.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    assert get("triton").version().endswith("+kernels." + digest.hexdigest()[:12])
+    for path in src.glob("*.py"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "kernels.py").write_text((src / "kernels.py").read_text() + "\n# a changed kernel\n")
+    monkeypatch.setattr(tb, "__file__", str(tmp_path / "__init__.py"))
+    tb.sources_hash.cache_clear()
+    try:
+        assert tb.sources_hash() != digest.hexdigest()[:12]
+    finally:
+        tb.sources_hash.cache_clear()
+
+
+def test_prefill_window_with_very_negative_scores():
+    """Rows whose first visited block lies left of their window, then only very negative scores (-800 before the
+    softmax): the running max must stay -inf through the empty block, or exp underflows to 0/0."""
+    spec = _spec(sliding_window=40)
+    lq = lk = 83
+    q = torch.full((lq, 8, 64), 10.0, dtype=torch.float16)
+    k = torch.full((lk, 2, 64), -10.0, dtype=torch.float16)
+    v = torch.randn(lk, 2, 64, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    cu = torch.tensor([0, lq], dtype=torch.int32)
+    out = get("triton").plan_prefill(spec, cu, cu, lq, lk)(q, k, v)
+    assert torch.isfinite(out).all()
+    # equal scores: each query averages the values of its window
+    for i in (0, 39, 40, 82):
+        lo = max(0, i - 39)
+        ref = v[lo:i + 1].float().mean(0).repeat_interleave(4, 0)
+        assert (out[i].float() - ref).abs().max().item() <= TOL["fp16"]
+
+
+def test_prefill_long_offsets_variant(monkeypatch):
+    """The 64-bit-inside-a-sequence variant (chosen for sequences whose rows x stride pass 2^31) computes the same:
+    forced here by lowering the threshold."""
+    monkeypatch.setattr(tb, "INT32_OFFSETS", 1)
+    spec = _spec(sliding_window=40, softcap=8.0, sinks=True)
+    out, ref, _ = _prefill(spec, q_mul=2.0)
+    assert (out.float() - ref).abs().max().item() <= TOL["fp16"] * max(1.0, ref.abs().max().item())

@@ -1,0 +1,61 @@
+"""Compile the Triton kernels for sm_90 without a GPU (Triton's bundled ptxas only): catches what the interpreter
+lets through (type changes across branches, unsupported ops, fp8 conversions). Run in a process without
+TRITON_INTERPRET (tests/test_triton_features.py does); prints one line per kernel variant, exits 1 on a failure."""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from attnsel.backends.triton import kernels as K
+
+T = GPUTarget("cuda", 90, 32)
+
+def compile_(fn, sig, consts):
+    params = fn.arg_names
+    signature = {}
+    for p in params:
+        signature[p] = "constexpr" if p in consts else sig.get(p, "i32")
+    src = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=T, options={"num_warps": 8, "num_stages": 3})
+
+def prefill(dtype, **flags):
+    sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "O": f"*{dtype}", "cu_q": "*i32", "cu_k": "*i32",
+           "SINKS": "*fp32", "scale_in": "fp32"}
+    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=128, CAUSAL=True, WINDOW=0,
+                  SOFTCAP=0.0, HAS_SINKS=False, LONG=False, UPCAST=False)
+    consts.update(flags)
+    return compile_(K.prefill_kernel, sig, consts)
+
+def decode(dtype, kvdtype, **flags):
+    sig = {"Q": f"*{dtype}", "K": f"*{kvdtype}", "V": f"*{kvdtype}", "PT": "*i32", "LENS": "*i32", "O": f"*{dtype}",
+           "O_part": "*fp32", "LSE_part": "*fp32", "SINKS": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
+           "scale_in": "fp32"}
+    consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_N=64, SPLIT=True,
+                  WINDOW=0, SOFTCAP=0.0, HAS_SINKS=False, FP8=False, UPCAST=False)
+    consts.update(flags)
+    return compile_(K.decode_kernel, sig, consts)
+
+def reduce_(**flags):
+    sig = {"O": "*bf16", "O_part": "*fp32", "LSE_part": "*fp32", "SINKS": "*fp32"}
+    consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=8, HAS_SINKS=False)
+    consts.update(flags)
+    return compile_(K.decode_reduce_kernel, sig, consts)
+
+failed = 0
+for name, thunk in [
+    ("prefill plain", lambda: prefill("bf16")),
+    ("prefill all", lambda: prefill("bf16", WINDOW=4096, SOFTCAP=30.0 * 1.4426950408889634, HAS_SINKS=True)),
+    ("prefill noncausal long", lambda: prefill("fp16", CAUSAL=False, LONG=True)),
+    ("decode split", lambda: decode("bf16", "bf16")),
+    ("decode nosplit all fp8", lambda: decode("bf16", "fp8e4nv", SPLIT=False, WINDOW=4096, SOFTCAP=43.3,
+                                              HAS_SINKS=True, FP8=True)),
+    ("decode split all fp8", lambda: decode("fp16", "fp8e4nv", WINDOW=128, SOFTCAP=43.3, HAS_SINKS=True, FP8=True)),
+    ("reduce sinks", lambda: reduce_(HAS_SINKS=True)),
+    ("reduce", lambda: reduce_()),
+]:
+    try:
+        thunk()
+        print("OK  ", name)
+    except Exception as exc:
+        failed += 1
+        print("FAIL", name, type(exc).__name__, str(exc)[:1500])
+sys.exit(1 if failed else 0)
