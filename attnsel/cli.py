@@ -1,4 +1,5 @@
-"""`attnsel report | select | bench | cache`: exit 0 on success, 2 for bad input, 3 when a phase cannot be served."""
+"""`attnsel report | select | bench | cache`: exit 0 on success, 2 for bad input, 3 when a phase cannot be served
+(or `bench` finds no CUDA device)."""
 from __future__ import annotations
 
 import argparse
@@ -8,25 +9,39 @@ import logging
 import os
 import re
 import sys
+from typing import Literal
 
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from . import backends
+from . import __version__, backends
 from .backends import UnknownBackendError
 from .cache import ResultCache
 from .selection import AUTO, MODES, POLICIES, Selection, SelectionError, select
-from .spec import DTYPES, AttentionSpec, SpecError, hf_fields, load_config_file
+from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs
 
 log = logging.getLogger("attnsel")
+# AttentionSpec field -> (its flag, the argparse dest)
 FIELD_FLAGS = {"num_q_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "head_dim": "--head-dim",
-               "dtype": "--dtype", "page_size": "--page-size"}
+               "dtype": "--dtype", "page_size": "--page-size", "sliding_window": "--sliding-window",
+               "softcap": "--softcap", "sinks": "--sinks", "kv_dtype": "--kv-dtype", "softmax_scale": "--softmax-scale"}
+FIELD_DESTS = {"num_q_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "dtype": "dtype",
+               "page_size": "page_size", "sliding_window": "sliding_window", "softcap": "softcap", "sinks": "sinks",
+               "kv_dtype": "kv_dtype", "softmax_scale": "softmax_scale"}
+ENV_BACKENDS = {"prefill": ("ATTNSEL_PREFILL_BACKEND", "--llm_prefill_att_backend"),
+                "decode": ("ATTNSEL_DECODE_BACKEND", "--llm_decode_att_backend")}
 EXIT_USAGE, EXIT_UNSERVED = 2, 3
+LayerSpecs = list[tuple[LayerKind | str, AttentionSpec, list[int]]]
+ChoiceSource = Literal["flag", "environment", "default"]
 
 
 class UsageError(ValueError):
     pass
+
+
+class CannotRun(RuntimeError):
+    """The input is fine but this machine cannot do it (exit 3): `bench` without a CUDA device."""
 
 
 def _names(text: str) -> list[str]:
@@ -35,21 +50,25 @@ def _names(text: str) -> list[str]:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model attention shape (from --config, flags override)")
-    g.add_argument("--config", metavar="PATH", help="Hugging Face config.json of the model")
+    g.add_argument("--config", metavar="PATH", help="Hugging Face config.json of the model, or its directory")
     g.add_argument("--num-heads", type=int, help="query heads (num_attention_heads)")
     g.add_argument("--num-kv-heads", type=int, help="key/value heads (num_key_value_heads); default: --num-heads")
     g.add_argument("--head-dim", type=int, help="head dimension")
     g.add_argument("--dtype", choices=list(DTYPES), help="activation dtype (default bf16)")
     g.add_argument("--page-size", type=int, help="tokens per KV-cache page (default 16)")
+    g.add_argument("--sliding-window", type=int, metavar="W", help="every layer attends to its last W keys")
+    g.add_argument("--softcap", type=float, metavar="C", help="logit softcap: scores -> C*tanh(scores/C)")
+    g.add_argument("--sinks", action=argparse.BooleanOptionalAction, default=None,
+                   help="the layers have learned per-head attention sinks (gpt-oss)")
+    g.add_argument("--kv-dtype", choices=list(KV_DTYPES), help="paged KV-cache dtype (default: --dtype)")
+    g.add_argument("--softmax-scale", type=float, metavar="S", help="softmax scale (default 1/sqrt(head_dim))")
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("selection")
     g.add_argument("--llm_prefill_att_backend", "--prefill-backend", dest="prefill",
-                   default=os.environ.get("ATTNSEL_PREFILL_BACKEND", AUTO),
                    help="'auto' (default; $ATTNSEL_PREFILL_BACKEND) or a backend name")
     g.add_argument("--llm_decode_att_backend", "--decode-backend", dest="decode",
-                   default=os.environ.get("ATTNSEL_DECODE_BACKEND", AUTO),
                    help="'auto' (default; $ATTNSEL_DECODE_BACKEND) or a backend name")
     g.add_argument("--policy", choices=POLICIES, default="measure",
                    help="auto: time valid candidates (measure, default) or take the first valid (priority)")
@@ -69,40 +88,118 @@ def add_cache_dir_arg(p) -> None:
                                                       "user cache dir)")
 
 
-def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
-    fields: dict = {}
+def _given(args: argparse.Namespace) -> dict:
+    """The spec fields given as flags."""
+    return {f: getattr(args, d) for f, d in FIELD_DESTS.items() if getattr(args, d, None) is not None}
+
+
+def _named(exc: SpecError, given: dict) -> SpecError:
+    """The error in the words of what the user typed: a flag for a flag, "the config's X" for a config value; a
+    config value that a flag could replace says which flag."""
+    msg = str(exc)
+    if msg.startswith("config:"):
+        if exc.field in FIELD_FLAGS and not msg.startswith("config: layers differ"):
+            msg += f" ({FIELD_FLAGS[exc.field]} overrides it)"
+    else:
+        for field, flag in FIELD_FLAGS.items():
+            msg = re.sub(rf"\b{field}\b", flag if field in given else f"the config's {field}", msg)
+    return SpecError(msg, exc.field)
+
+
+def layer_specs_from_args(args: argparse.Namespace) -> LayerSpecs:
+    """One (kind, spec, layer indices) per distinct layer kind of --config, flags overriding it in every layer;
+    flags alone give one kind."""
+    given = _given(args)
     if args.config:
-        fields.update(hf_fields(load_config_file(args.config)))
-    flags = {"num_q_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
-             "dtype": args.dtype, "page_size": args.page_size}
-    fields.update({k: v for k, v in flags.items() if v is not None})
-    if "num_kv_heads" not in fields and "num_q_heads" in fields:
-        fields["num_kv_heads"] = fields["num_q_heads"]
-    missing = [FIELD_FLAGS[f] for f in ("num_q_heads", "head_dim") if f not in fields]
+        try:
+            return layer_specs(args.config, **given)
+        except SpecError as exc:
+            raise _named(exc, given) from None
+    missing = [FIELD_FLAGS[f] for f in ("num_q_heads", "head_dim") if f not in given]
     if missing:
         raise UsageError(f"missing {', '.join(missing)}: give --config PATH or --num-heads, --num-kv-heads, "
                          "--head-dim")
     try:
-        return AttentionSpec(**fields)
+        spec = AttentionSpec(**{"num_kv_heads": given["num_q_heads"], **given})
     except SpecError as exc:
-        msg = str(exc)
-        for field, flag in FIELD_FLAGS.items():  # name what the user typed (or what --config supplied)
-            msg = re.sub(rf"\b{field}\b", f"{flag}", msg)
-        raise SpecError(msg) from None
+        raise _named(exc, given) from None
+    return [("sliding_attention" if spec.sliding_window else "full_attention", spec, [])]
 
 
-def _check_backend_choice(flag: str, value: str) -> None:
-    if value != AUTO and value not in backends.names():
-        raise UnknownBackendError(f"{flag}: unknown backend {value!r}; valid: {AUTO}, {', '.join(backends.names())}")
+def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
+    """The one spec of the flags / --config; SpecError when the config's layers differ (see layer_specs_from_args)."""
+    kinds = layer_specs_from_args(args)
+    if len(kinds) > 1:
+        raise SpecError(f"{args.config}: layers differ ({', '.join(_label(k, ls) for k, _, ls in kinds)}); this "
+                        "command takes one attention shape: give --sliding-window W to use one window for every "
+                        "layer, or the shape flags without --config")
+    return kinds[0][1]
 
 
-def run_selection(args: argparse.Namespace) -> Selection:
-    spec = spec_from_args(args)
-    _check_backend_choice("--llm_prefill_att_backend", args.prefill)
-    _check_backend_choice("--llm_decode_att_backend", args.decode)
+def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str, ChoiceSource]:
+    """(value, where it came from in words, source): the flag, else the environment variable, else auto."""
+    env, flag = ENV_BACKENDS[phase]
+    value = getattr(args, phase)
+    if value is not None:
+        return value, flag, "flag"
+    if os.environ.get(env):
+        return os.environ[env], f"{env}={os.environ[env]} (environment variable)", "environment"
+    return AUTO, flag, "default"
+
+
+def _check_backend_choice(where: str, value: str, allow_auto: bool = True) -> None:
+    """UnknownBackendError naming ``where`` (a flag or an environment variable) when value is not a backend."""
+    valid = ([AUTO] if allow_auto else []) + backends.names()
+    if value not in valid:
+        raise UnknownBackendError(f"{where}: unknown backend {value!r}; valid: {', '.join(valid)}")
+
+
+def check_backend_args(args: argparse.Namespace) -> None:
+    """Resolve --llm_*_att_backend from the environment and check every backend name given, naming its source."""
+    for phase in ("prefill", "decode"):
+        value, where, _ = _backend_choice(args, phase)
+        _check_backend_choice(where, value)
+        setattr(args, phase, value)
+        for name in getattr(args, f"{phase}_priority") or ():
+            _check_backend_choice(f"--{phase}-priority", name, allow_auto=False)
+
+
+def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -> Selection:
+    spec = spec if spec is not None else spec_from_args(args)
+    check_backend_args(args)
     return select(spec, args.prefill, args.decode, policy=args.policy, mode=args.mode,
                   prefill_priority=args.prefill_priority, decode_priority=args.decode_priority, timeout=args.timeout,
                   cache_dir=args.cache_dir, use_cache=not args.no_cache, device=args.device)
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 4] -> "0-2, 4"."""
+    out: list[list[int]] = []
+    for i in layers:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def _label(kind: str, layers: list[int]) -> str:
+    return f"{kind} ({len(layers)} layers)" if layers else kind
+
+
+def _select_each(args: argparse.Namespace, kinds: LayerSpecs) -> list[Selection | SelectionError]:
+    """The selection of every layer kind, or why it cannot be served (also printed on stderr)."""
+    check_backend_args(args)
+    err = Console(stderr=True)
+    results = []
+    for kind, spec, layers in kinds:
+        try:
+            results.append(run_selection(args, spec))
+        except SelectionError as exc:
+            where = f" {_label(kind, layers)}" if len(kinds) > 1 else ""
+            err.print(f"attnsel: cannot serve{where}: {exc}", markup=False, highlight=False, soft_wrap=True)
+            results.append(exc)
+    return results
 
 
 def _fmt(value, spec: str) -> str:
@@ -143,10 +240,32 @@ def _flashinfer_jit_dir() -> str | None:
 
 
 def cmd_report(args: argparse.Namespace, out: Console) -> int:
-    sel = run_selection(args)
+    kinds = layer_specs_from_args(args)
+    results = _select_each(args, kinds)
+    code = EXIT_UNSERVED if any(isinstance(r, SelectionError) for r in results) else 0
     if args.json:
-        print(json.dumps(report_json(sel), indent=2))
-        return 0
+        if len(kinds) == 1:  # one kind: the object of one selection, as always
+            if not code:
+                print(json.dumps(report_json(results[0]), indent=2))
+            return code
+        print(json.dumps({"layer_kinds": [
+            {"kind": kind, "layers": layers, "spec": spec.to_dict(),
+             **({"error": str(res)} if isinstance(res, SelectionError) else {"selection": report_json(res)})}
+            for (kind, spec, layers), res in zip(kinds, results)]}, indent=2))
+        return code
+    for (kind, _, layers), res in zip(kinds, results):
+        if len(kinds) > 1:
+            out.print(f"\n[bold]{_label(kind, layers)}[/]: layers {_ranges(layers)}")
+        if isinstance(res, SelectionError):
+            if len(kinds) > 1:
+                out.print(f"cannot be served: {res}", markup=False)
+        else:
+            print_report(res, args, out)
+    return code
+
+
+def print_report(sel: Selection, args: argparse.Namespace, out: Console) -> None:
+    """The table of one selection and the lines under it, ending with the two choices."""
     out.print(report_table(sel))
     stats = sel.stats
     cache_where = "" if sel.cache == "off" else f" ({ResultCache(args.cache_dir).path})"
@@ -158,14 +277,17 @@ def cmd_report(args: argparse.Namespace, out: Console) -> int:
     out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}")
     out.print(f"prefill: {sel.prefill} ({sel.prefill_source})")
     out.print(f"decode: {sel.decode} ({sel.decode_source})")
-    return 0
 
 
 def cmd_select(args: argparse.Namespace, out: Console) -> int:
-    sel = run_selection(args)
-    print(f"prefill: {sel.prefill} ({sel.prefill_source})")
-    print(f"decode: {sel.decode} ({sel.decode_source})")
-    return 0
+    kinds = layer_specs_from_args(args)
+    results = _select_each(args, kinds)
+    for (kind, _, layers), res in zip(kinds, results):
+        prefix = f"{_label(kind, layers)}: " if len(kinds) > 1 else ""
+        if not isinstance(res, SelectionError):
+            print(f"{prefix}prefill: {res.prefill} ({res.prefill_source})")
+            print(f"{prefix}decode: {res.decode} ({res.decode_source})")
+    return EXIT_UNSERVED if any(isinstance(r, SelectionError) for r in results) else 0
 
 
 def cmd_cache(args: argparse.Namespace, out: Console) -> int:
@@ -189,13 +311,22 @@ def cmd_cache(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, out: Console) -> int:
+    import torch
+
     from .bench import run_bench
 
+    if any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim")):
+        spec_from_args(args)  # bad input is exit 2 on any machine
+    for name in args.backends or ():
+        _check_backend_choice("--backends", name, allow_auto=False)
+    if not torch.cuda.is_available():
+        raise CannotRun("attnsel bench times kernels on a CUDA device; none was found")
     return run_bench(args, out)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnsel", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"attnsel {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="validate and select backends, then show every backend x phase")
@@ -218,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("show", "path", "clear"))
     add_cache_dir_arg(p)
     p.set_defaults(func=cmd_cache)
+    for p in sub.choices.values():  # -q after the subcommand too (SUPPRESS: absent there keeps the main default)
+        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help="only warnings and errors on stderr")
     return parser
 
 
@@ -234,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except SelectionError as exc:
         err.print(f"attnsel: cannot serve: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_UNSERVED
+    except CannotRun as exc:
+        err.print(f"attnsel: cannot run: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_UNSERVED
 
 
