@@ -32,7 +32,7 @@ FIELD_DESTS = {"num_q_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head
 ENV_BACKENDS = {"prefill": ("ATTNSEL_PREFILL_BACKEND", "--llm_prefill_att_backend"),
                 "decode": ("ATTNSEL_DECODE_BACKEND", "--llm_decode_att_backend")}
 EXIT_USAGE, EXIT_UNSERVED = 2, 3
-LayerSpecs = list[tuple[LayerKind | str, AttentionSpec, list[int]]]
+LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
 ChoiceSource = Literal["flag", "environment", "default"]
 
 

@@ -300,14 +300,12 @@ def _read_fields(config: dict) -> tuple[dict, dict[str, SpecError]]:
                 raise SpecError(f"config: {hidden_key} ({hidden}) must be a multiple of {key} ({heads})", "head_dim")
             head_dim = hidden // heads
         fields["head_dim"] = _positive_int(hd_key, head_dim, "head_dim")
-        v_head_dim = config.get("v_head_dim")
-        if v_head_dim is not None and v_head_dim != fields["head_dim"]:
-            raise SpecError(f"config: v_head_dim {v_head_dim!r} differs from head_dim {fields['head_dim']}: "
-                            "AttentionSpec has one head_dim for queries, keys and values")
     except SpecError as exc:
-        if "v_head_dim" in str(exc):
-            raise
         errors["head_dim"] = exc
+    v_head_dim = config.get("v_head_dim")
+    if v_head_dim is not None and v_head_dim != fields.get("head_dim"):
+        raise SpecError(f"config: v_head_dim {v_head_dim!r} differs from head_dim {fields.get('head_dim')}: "
+                        "AttentionSpec has one head_dim for queries, keys and values")
     raw_dtype = config.get("torch_dtype") or config.get("dtype")
     if raw_dtype is not None:
         name = str(raw_dtype).replace("torch.", "")
@@ -370,11 +368,10 @@ def hf_fields(config: dict, skip: Collection[str] = ()) -> dict:
 
 
 def _layer_kinds(config: dict) -> tuple[list[LayerKind] | None, int | None]:
-    """(the kind of every layer, or None when every layer is full or every layer sliding and the config does not
-    give the layer count ... see layer_specs; the window of the sliding layers)."""
-    window_key, window = "sliding_window", _get(config, "sliding_window")[1]
+    """(the kind of every layer, or None when all layers are alike; the window of the sliding layers or None)."""
+    window = _get(config, "sliding_window")[1]
     if window is not None:
-        window = _positive_int(window_key, window, "sliding_window")
+        window = _positive_int("sliding_window", window, "sliding_window")
     use = _get(config, "use_sliding_window")[1]
     if use is False:  # Qwen2/3: sliding_window is ignored unless use_sliding_window
         window = None
@@ -424,16 +421,16 @@ def _decided_by(config: dict) -> str:
     return ", ".join(keys)
 
 
-def layer_specs(config: dict | str | Path, **overrides) -> list[tuple[LayerKind | str, AttentionSpec, list[int]]]:
+def layer_specs(config: dict | str | Path, **overrides) -> list[tuple[LayerKind, AttentionSpec, list[int]]]:
     """One spec per distinct layer kind of a Hugging Face config (dict, config.json or its directory).
 
     Returns ``[(kind, spec, layer indices), ...]`` ordered by first layer; kind is "full_attention" or
-    "sliding_attention" (kinds that the overrides make equal are merged, their names joined with "+"). The indices
-    are empty when the config does not give num_hidden_layers (then every layer is of the one kind). Overrides
-    (AttentionSpec fields; None means not given) apply to every layer and win over the config: the config's value
-    of an overridden field is not checked. Layer kinds: `layer_types`; Qwen2/3's `use_sliding_window` +
-    `max_window_layers`; `sliding_window_pattern`; transformers' defaults for Gemma 2/3, gpt-oss, Cohere 2;
-    otherwise a `sliding_window` applies to every layer (Mistral)."""
+    "sliding_attention". The indices are empty when the config does not give num_hidden_layers (then every layer is
+    of the one kind). Overrides (AttentionSpec fields; None means not given) apply to every layer and win over the
+    config, whose value of an overridden field is not checked (``sliding_window=w``: every layer slides by w).
+    Which layers slide: `layer_types`; Qwen2/3's `use_sliding_window` + `max_window_layers`;
+    `sliding_window_pattern`; transformers' defaults for Gemma 2/3, gpt-oss, Cohere 2; otherwise a
+    `sliding_window` applies to every layer (Mistral)."""
     config = _text_config(_as_dict(config))
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(AttentionSpec)})
     if unknown:
@@ -441,23 +438,18 @@ def layer_specs(config: dict | str | Path, **overrides) -> list[tuple[LayerKind 
                         f"{', '.join(f.name for f in dataclasses.fields(AttentionSpec))}")
     given = {k: v for k, v in overrides.items() if v is not None}
     base = hf_fields(config, skip=given)
-    kinds, window = (None, None) if "sliding_window" in given else _layer_kinds(config)
-    n = _get(config, "num_hidden_layers")[1]
+    kinds, window = (None, given["sliding_window"]) if "sliding_window" in given else _layer_kinds(config)
+    n_key, n = _get(config, "num_hidden_layers")
+    indices_known = kinds is not None or n is not None
     if kinds is None:
         kind: LayerKind = "sliding_attention" if window is not None else "full_attention"
-        count = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
-        kinds = [kind] * count or [kind]
-        indices_known = count > 0
-    else:
-        indices_known = True
-    groups: dict[AttentionSpec, tuple[list[str], list[int]]] = {}
+        kinds = [kind] * (_positive_int(n_key, n) if n is not None else 1)
+    groups: dict[str, tuple[AttentionSpec, list[int]]] = {}
     for i, kind in enumerate(kinds):
-        fields = {**base, **({"sliding_window": window} if kind == "sliding_attention" else {}), **given}
-        fields.setdefault("num_kv_heads", fields.get("num_q_heads"))
-        spec = AttentionSpec(**_normalized(fields))
-        names, layers = groups.setdefault(spec, ([], []))
-        if kind not in names:
-            names.append(kind)
+        if kind not in groups:
+            fields = {**base, **({"sliding_window": window} if kind == "sliding_attention" else {}), **given}
+            fields.setdefault("num_kv_heads", fields.get("num_q_heads"))
+            groups[kind] = (AttentionSpec(**_normalized(fields)), [])
         if indices_known:
-            layers.append(i)
-    return [("+".join(names), spec, layers) for spec, (names, layers) in groups.items()]
+            groups[kind][1].append(i)
+    return [(kind, spec, layers) for kind, (spec, layers) in groups.items()]
