@@ -10,10 +10,12 @@ from typing import Literal
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DtypeName = Literal["bf16", "fp16", "fp32"]
+KvDtypeName = Literal["fp8_e4m3"]
+DTYPES: dict[DtypeName, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dtypes of a paged KV cache besides the activation dtype: fp8 e4m3 with per-tensor float32 k/v scales
 # (stored value = real value / scale), as vLLM and SGLang store it.
-KV_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
+KV_DTYPES: dict[KvDtypeName, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
 # Spellings found in Hugging Face configs (`torch_dtype` / `dtype`).
 _HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
               "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
@@ -50,14 +52,14 @@ class AttentionSpec:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
-    dtype: str = "bf16"
+    dtype: DtypeName = "bf16"
     page_size: int = 16
     causal: bool = True
     softmax_scale: float | None = None
     sliding_window: int | None = None
     softcap: float | None = None
     sinks: bool = False
-    kv_dtype: str | None = None
+    kv_dtype: KvDtypeName | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_q_heads", "num_kv_heads", "head_dim", "page_size"):
@@ -148,7 +150,7 @@ class AttentionSpec:
         return kinds[0][1]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> DtypeName:
     """The spec's name for a torch dtype; SpecError for dtypes attnsel does not serve."""
     for name, value in DTYPES.items():
         if value == dtype:
