@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import sys
-from typing import Literal
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -33,7 +32,6 @@ ENV_BACKENDS = {"prefill": ("ATTNSEL_PREFILL_BACKEND", "--llm_prefill_att_backen
                 "decode": ("ATTNSEL_DECODE_BACKEND", "--llm_decode_att_backend")}
 EXIT_USAGE, EXIT_UNSERVED = 2, 3
 LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
-ChoiceSource = Literal["flag", "environment", "default"]
 
 
 class UsageError(ValueError):
@@ -93,7 +91,7 @@ def _given(args: argparse.Namespace) -> dict:
     return {f: getattr(args, d) for f, d in FIELD_DESTS.items() if getattr(args, d, None) is not None}
 
 
-def _named(exc: SpecError, given: dict) -> SpecError:
+def _named(exc: SpecError, given: dict, from_config: bool) -> SpecError:
     """The error in the words of what the user typed: a flag for a flag, "the config's X" for a config value; a
     config value that a flag could replace says which flag."""
     msg = str(exc)
@@ -102,7 +100,8 @@ def _named(exc: SpecError, given: dict) -> SpecError:
             msg += f" ({FIELD_FLAGS[exc.field]} overrides it)"
     else:
         for field, flag in FIELD_FLAGS.items():
-            msg = re.sub(rf"\b{field}\b", flag if field in given else f"the config's {field}", msg)
+            msg = re.sub(rf"\b{field}\b", f"the config's {field}" if from_config and field not in given else flag,
+                         msg)
     return SpecError(msg, exc.field)
 
 
@@ -114,7 +113,7 @@ def layer_specs_from_args(args: argparse.Namespace) -> LayerSpecs:
         try:
             return layer_specs(args.config, **given)
         except SpecError as exc:
-            raise _named(exc, given) from None
+            raise _named(exc, given, True) from None
     missing = [FIELD_FLAGS[f] for f in ("num_q_heads", "head_dim") if f not in given]
     if missing:
         raise UsageError(f"missing {', '.join(missing)}: give --config PATH or --num-heads, --num-kv-heads, "
@@ -122,7 +121,7 @@ def layer_specs_from_args(args: argparse.Namespace) -> LayerSpecs:
     try:
         spec = AttentionSpec(**{"num_kv_heads": given["num_q_heads"], **given})
     except SpecError as exc:
-        raise _named(exc, given) from None
+        raise _named(exc, given, False) from None
     return [("sliding_attention" if spec.sliding_window else "full_attention", spec, [])]
 
 
@@ -136,15 +135,15 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
     return kinds[0][1]
 
 
-def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str, ChoiceSource]:
-    """(value, where it came from in words, source): the flag, else the environment variable, else auto."""
+def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str]:
+    """(value, where it came from in words): the flag, else the environment variable, else auto."""
     env, flag = ENV_BACKENDS[phase]
     value = getattr(args, phase)
     if value is not None:
-        return value, flag, "flag"
+        return value, flag
     if os.environ.get(env):
-        return os.environ[env], f"{env}={os.environ[env]} (environment variable)", "environment"
-    return AUTO, flag, "default"
+        return os.environ[env], f"{env}={os.environ[env]} (environment variable)"
+    return AUTO, flag
 
 
 def _check_backend_choice(where: str, value: str, allow_auto: bool = True) -> None:
@@ -157,7 +156,7 @@ def _check_backend_choice(where: str, value: str, allow_auto: bool = True) -> No
 def check_backend_args(args: argparse.Namespace) -> None:
     """Resolve --llm_*_att_backend from the environment and check every backend name given, naming its source."""
     for phase in ("prefill", "decode"):
-        value, where, _ = _backend_choice(args, phase)
+        value, where = _backend_choice(args, phase)
         _check_backend_choice(where, value)
         setattr(args, phase, value)
         for name in getattr(args, f"{phase}_priority") or ():
@@ -189,7 +188,6 @@ def _label(kind: str, layers: list[int]) -> str:
 
 def _select_each(args: argparse.Namespace, kinds: LayerSpecs) -> list[Selection | SelectionError]:
     """The selection of every layer kind, or why it cannot be served (also printed on stderr)."""
-    check_backend_args(args)
     err = Console(stderr=True)
     results = []
     for kind, spec, layers in kinds:
