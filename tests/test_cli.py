@@ -255,3 +255,16 @@ def test_no_numpy_warning_numpy_is_a_dependency():
     proc = subprocess.run([sys.executable, "-W", "error::UserWarning", "-m", "attnsel", "--version"],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "attnsel 0.2.0\n", "")
+
+
+def test_a_layer_kind_that_cannot_be_served_is_shown_and_exits_3(capsys, monkeypatch):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NAN_DECODE")
+    code, out, err = run(capsys, "report", "--config", str(CONFIGS / "gemma-3-1b.json"), "--json", "--policy",
+                         "priority", "--device", "cpu", "--llm_decode_att_backend", "nan_decode")
+    assert code == 3
+    kinds = json.loads(out)["layer_kinds"]
+    assert [k["kind"] for k in kinds] == ["sliding_attention", "full_attention"]
+    for kind in kinds:
+        assert "selection" not in kind
+        assert "decode backend 'nan_decode' was requested explicitly but is rejected" in kind["error"]
+    assert "attnsel: cannot serve sliding_attention (22 layers): decode backend 'nan_decode'" in " ".join(err.split())
