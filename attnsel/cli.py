@@ -21,7 +21,7 @@ from .selection import AUTO, MODES, POLICIES, Selection, SelectionError, select
 from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs
 
 log = logging.getLogger("attnsel")
-# AttentionSpec field -> (its flag, the argparse dest)
+# AttentionSpec field -> its flag; -> its argparse dest
 FIELD_FLAGS = {"num_q_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "head_dim": "--head-dim",
                "dtype": "--dtype", "page_size": "--page-size", "sliding_window": "--sliding-window",
                "softcap": "--softcap", "sinks": "--sinks", "kv_dtype": "--kv-dtype", "softmax_scale": "--softmax-scale"}
@@ -96,7 +96,7 @@ def _named(exc: SpecError, given: dict, from_config: bool) -> SpecError:
     config value that a flag could replace says which flag."""
     msg = str(exc)
     if msg.startswith("config:"):
-        if exc.field in FIELD_FLAGS and not msg.startswith("config: layers differ"):
+        if exc.field in FIELD_FLAGS:
             msg += f" ({FIELD_FLAGS[exc.field]} overrides it)"
     else:
         for field, flag in FIELD_FLAGS.items():
