@@ -163,8 +163,8 @@ def dtype_name(dtype: torch.dtype) -> DtypeName:
 LayerKind = Literal["full_attention", "sliding_attention"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("full_attention", "sliding_attention")
 # Other names of the standard keys (transformers' attribute_map of GPT-2 / GPT-J / GPT-BigCode...).
-_ALIASES = {"num_attention_heads": ("n_head",), "hidden_size": ("n_embd",), "num_hidden_layers": ("n_layer",),
-            "max_position_embeddings": ("n_positions",)}
+# (n_positions, GPT-2's max_position_embeddings, does not change attention: not read.)
+_ALIASES = {"num_attention_heads": ("n_head",), "hidden_size": ("n_embd",), "num_hidden_layers": ("n_layer",)}
 # transformers' (5.17) defaults for attention fields that real config.json files leave out, per model_type;
 # "sliding_window_pattern": every p-th layer (p, 2p, ...) is full, the others sliding.
 _QWEN = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
