@@ -226,3 +226,13 @@ def test_config_directory(tmp_path):
     with pytest.raises(SpecError, match=f"config: {tmp_path / 'empty'} is a directory without a config.json"):
         (tmp_path / "empty").mkdir()
         AttentionSpec.from_hf_config(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("config, kv_heads", [
+    ({"model_type": "gpt_bigcode", "n_head": 48, "n_embd": 6144, "multi_query": True}, 1),  # StarCoder
+    ({"model_type": "falcon", "num_attention_heads": 71, "hidden_size": 4544, "multi_query": True}, 1),  # Falcon 7B
+    ({"model_type": "falcon", "num_attention_heads": 128, "hidden_size": 8192, "num_kv_heads": 8,
+      "new_decoder_architecture": True, "multi_query": True}, 8),  # Falcon 40B
+])
+def test_multi_query_configs(config, kv_heads):
+    assert AttentionSpec.from_hf_config(config).num_kv_heads == kv_heads
