@@ -1,4 +1,5 @@
-"""`attnsel report | select | bench | cache`: exit 0 on success, 2 for bad input, 3 when a phase cannot be served."""
+"""`attnsel report | select | bench | cache`: exit 0 on success, 2 for bad input, 3 when a phase cannot be served
+(or `bench` finds no CUDA device)."""
 from __future__ import annotations
 
 import argparse
@@ -14,20 +15,32 @@ from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
 
-from . import backends
+from . import __version__, backends
 from .backends import UnknownBackendError
 from .cache import ResultCache
 from .selection import AUTO, MODES, POLICIES, Selection, SelectionError, select
-from .spec import DTYPES, AttentionSpec, SpecError, hf_fields, load_config_file
+from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs
 
 log = logging.getLogger("attnsel")
+# AttentionSpec field -> its flag; -> its argparse dest
 FIELD_FLAGS = {"num_q_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "head_dim": "--head-dim",
-               "dtype": "--dtype", "page_size": "--page-size"}
+               "dtype": "--dtype", "page_size": "--page-size", "sliding_window": "--sliding-window",
+               "softcap": "--softcap", "sinks": "--sinks", "kv_dtype": "--kv-dtype", "softmax_scale": "--softmax-scale"}
+FIELD_DESTS = {"num_q_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "dtype": "dtype",
+               "page_size": "page_size", "sliding_window": "sliding_window", "softcap": "softcap", "sinks": "sinks",
+               "kv_dtype": "kv_dtype", "softmax_scale": "softmax_scale"}
+ENV_BACKENDS = {"prefill": ("ATTNSEL_PREFILL_BACKEND", "--llm_prefill_att_backend"),
+                "decode": ("ATTNSEL_DECODE_BACKEND", "--llm_decode_att_backend")}
 EXIT_USAGE, EXIT_UNSERVED = 2, 3
+LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
 
 
 class UsageError(ValueError):
     pass
+
+
+class CannotRun(RuntimeError):
+    """The input is fine but this machine cannot do it (exit 3): `bench` without a CUDA device."""
 
 
 def _names(text: str) -> list[str]:
@@ -36,21 +49,25 @@ def _names(text: str) -> list[str]:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model attention shape (from --config, flags override)")
-    g.add_argument("--config", metavar="PATH", help="Hugging Face config.json of the model")
+    g.add_argument("--config", metavar="PATH", help="Hugging Face config.json of the model, or its directory")
     g.add_argument("--num-heads", type=int, help="query heads (num_attention_heads)")
     g.add_argument("--num-kv-heads", type=int, help="key/value heads (num_key_value_heads); default: --num-heads")
     g.add_argument("--head-dim", type=int, help="head dimension")
     g.add_argument("--dtype", choices=list(DTYPES), help="activation dtype (default bf16)")
     g.add_argument("--page-size", type=int, help="tokens per KV-cache page (default 16)")
+    g.add_argument("--sliding-window", type=int, metavar="W", help="every layer attends to its last W keys")
+    g.add_argument("--softcap", type=float, metavar="C", help="logit softcap: scores -> C*tanh(scores/C)")
+    g.add_argument("--sinks", action=argparse.BooleanOptionalAction, default=None,
+                   help="the layers have learned per-head attention sinks (gpt-oss)")
+    g.add_argument("--kv-dtype", choices=list(KV_DTYPES), help="paged KV-cache dtype (default: --dtype)")
+    g.add_argument("--softmax-scale", type=float, metavar="S", help="softmax scale (default 1/sqrt(head_dim))")
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("selection")
     g.add_argument("--llm_prefill_att_backend", "--prefill-backend", dest="prefill",
-                   default=os.environ.get("ATTNSEL_PREFILL_BACKEND", AUTO),
                    help="'auto' (default; $ATTNSEL_PREFILL_BACKEND) or a backend name")
     g.add_argument("--llm_decode_att_backend", "--decode-backend", dest="decode",
-                   default=os.environ.get("ATTNSEL_DECODE_BACKEND", AUTO),
                    help="'auto' (default; $ATTNSEL_DECODE_BACKEND) or a backend name")
     g.add_argument("--policy", choices=POLICIES, default="measure",
                    help="auto: time valid candidates (measure, default) or take the first valid (priority)")
@@ -70,40 +87,118 @@ def add_cache_dir_arg(p) -> None:
                                                       "user cache dir)")
 
 
-def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
-    fields: dict = {}
+def _given(args: argparse.Namespace) -> dict:
+    """The spec fields given as flags."""
+    return {f: getattr(args, d) for f, d in FIELD_DESTS.items() if getattr(args, d, None) is not None}
+
+
+def _named(exc: SpecError, given: dict, from_config: bool) -> SpecError:
+    """The error in the words of what the user typed: a flag for a flag, "the config's X" for a config value; a
+    config value that a flag could replace says which flag."""
+    msg = str(exc)
+    if msg.startswith("config:"):
+        if exc.field in FIELD_FLAGS:
+            msg += f" ({FIELD_FLAGS[exc.field]} overrides it)"
+    else:
+        for field, flag in FIELD_FLAGS.items():
+            msg = re.sub(rf"\b{field}\b", f"the config's {field}" if from_config and field not in given else flag,
+                         msg)
+    return SpecError(msg, exc.field)
+
+
+def layer_specs_from_args(args: argparse.Namespace) -> LayerSpecs:
+    """One (kind, spec, layer indices) per distinct layer kind of --config, flags overriding it in every layer;
+    flags alone give one kind."""
+    given = _given(args)
     if args.config:
-        fields.update(hf_fields(load_config_file(args.config)))
-    flags = {"num_q_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
-             "dtype": args.dtype, "page_size": args.page_size}
-    fields.update({k: v for k, v in flags.items() if v is not None})
-    if "num_kv_heads" not in fields and "num_q_heads" in fields:
-        fields["num_kv_heads"] = fields["num_q_heads"]
-    missing = [FIELD_FLAGS[f] for f in ("num_q_heads", "head_dim") if f not in fields]
+        try:
+            return layer_specs(args.config, **given)
+        except SpecError as exc:
+            raise _named(exc, given, True) from None
+    missing = [FIELD_FLAGS[f] for f in ("num_q_heads", "head_dim") if f not in given]
     if missing:
         raise UsageError(f"missing {', '.join(missing)}: give --config PATH or --num-heads, --num-kv-heads, "
                          "--head-dim")
     try:
-        return AttentionSpec(**fields)
+        spec = AttentionSpec(**{"num_kv_heads": given["num_q_heads"], **given})
     except SpecError as exc:
-        msg = str(exc)
-        for field, flag in FIELD_FLAGS.items():  # name what the user typed (or what --config supplied)
-            msg = re.sub(rf"\b{field}\b", f"{flag}", msg)
-        raise SpecError(msg) from None
+        raise _named(exc, given, False) from None
+    return [("sliding_attention" if spec.sliding_window else "full_attention", spec, [])]
 
 
-def _check_backend_choice(flag: str, value: str) -> None:
-    if value != AUTO and value not in backends.names():
-        raise UnknownBackendError(f"{flag}: unknown backend {value!r}; valid: {AUTO}, {', '.join(backends.names())}")
+def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
+    """The one spec of the flags / --config; SpecError when the config's layers differ (see layer_specs_from_args)."""
+    kinds = layer_specs_from_args(args)
+    if len(kinds) > 1:
+        raise SpecError(f"{args.config}: layers differ ({', '.join(_label(k, ls) for k, _, ls in kinds)}); this "
+                        "command takes one attention shape: give --sliding-window W to use one window for every "
+                        "layer, or the shape flags without --config")
+    return kinds[0][1]
 
 
-def run_selection(args: argparse.Namespace) -> Selection:
-    spec = spec_from_args(args)
-    _check_backend_choice("--llm_prefill_att_backend", args.prefill)
-    _check_backend_choice("--llm_decode_att_backend", args.decode)
+def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str]:
+    """(value, where it came from in words): the flag, else the environment variable, else auto."""
+    env, flag = ENV_BACKENDS[phase]
+    value = getattr(args, phase)
+    if value is not None:
+        return value, flag
+    if os.environ.get(env):
+        return os.environ[env], f"{env}={os.environ[env]} (environment variable)"
+    return AUTO, flag
+
+
+def _check_backend_choice(where: str, value: str, allow_auto: bool = True) -> None:
+    """UnknownBackendError naming ``where`` (a flag or an environment variable) when value is not a backend."""
+    valid = ([AUTO] if allow_auto else []) + backends.names()
+    if value not in valid:
+        raise UnknownBackendError(f"{where}: unknown backend {value!r}; valid: {', '.join(valid)}")
+
+
+def check_backend_args(args: argparse.Namespace) -> None:
+    """Resolve --llm_*_att_backend from the environment and check every backend name given, naming its source."""
+    for phase in ("prefill", "decode"):
+        value, where = _backend_choice(args, phase)
+        _check_backend_choice(where, value)
+        setattr(args, phase, value)
+        for name in getattr(args, f"{phase}_priority") or ():
+            _check_backend_choice(f"--{phase}-priority", name, allow_auto=False)
+
+
+def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -> Selection:
+    spec = spec if spec is not None else spec_from_args(args)
+    check_backend_args(args)
     return select(spec, args.prefill, args.decode, policy=args.policy, mode=args.mode,
                   prefill_priority=args.prefill_priority, decode_priority=args.decode_priority, timeout=args.timeout,
                   cache_dir=args.cache_dir, use_cache=not args.no_cache, device=args.device)
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 4] -> "0-2, 4"."""
+    out: list[list[int]] = []
+    for i in layers:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def _label(kind: str, layers: list[int]) -> str:
+    return f"{kind} ({len(layers)} layers)" if layers else kind
+
+
+def _select_each(args: argparse.Namespace, kinds: LayerSpecs) -> list[Selection | SelectionError]:
+    """The selection of every layer kind, or why it cannot be served (also printed on stderr)."""
+    err = Console(stderr=True)
+    results = []
+    for kind, spec, layers in kinds:
+        try:
+            results.append(run_selection(args, spec))
+        except SelectionError as exc:
+            where = f" {_label(kind, layers)}" if len(kinds) > 1 else ""
+            err.print(f"attnsel: cannot serve{where}: {exc}", markup=False, highlight=False, soft_wrap=True)
+            results.append(exc)
+    return results
 
 
 def _fmt(value, spec: str) -> str:
@@ -246,53 +341,70 @@ def _flashinfer_jit_dir() -> str | None:
     return jit_cache_dir() if importlib.util.find_spec("flashinfer") else None
 
 
-def _selection_or_partial(args: argparse.Namespace) -> tuple[Selection | None, SelectionError | None]:
-    try:
-        return run_selection(args), None
-    except SelectionError as exc:
-        if exc.selection is None:
-            raise
-        return exc.selection, exc
-
-
 def cmd_report(args: argparse.Namespace, out: Console) -> int:
-    """The report; when a phase cannot be served, what was found is still printed, then the error (exit 3)."""
-    sel, failure = _selection_or_partial(args)
-    for phase, cands in sel.candidates.items():  # long reasons (stack tails) in full, once, in the log
-        for c in cands:
-            if "\n" in c.reason.strip():
-                log.info("%s %s, full reason:\n%s", c.name, phase, c.reason.strip())
+    """The report of every layer kind; a kind that cannot be served still shows what was found (exit 3)."""
+    kinds = layer_specs_from_args(args)
+    results = _select_each(args, kinds)
+    code = EXIT_UNSERVED if any(isinstance(r, SelectionError) for r in results) else 0
+    found = [r.selection if isinstance(r, SelectionError) else r for r in results]  # partial selections too
+    for sel in filter(None, found):  # long reasons (stack tails) in full, once, in the log
+        for phase, cands in sel.candidates.items():
+            for c in cands:
+                if "\n" in c.reason.strip():
+                    log.info("%s %s, full reason:\n%s", c.name, phase, c.reason.strip())
     if args.json:
-        print(json.dumps(report_json(sel), indent=2))
-    else:
-        out = Console()  # fits the terminal (80 columns when not a terminal and COLUMNS is unset)
-        out.print(report_table(sel, out.width))
-        out.print(_time_note(sel), soft_wrap=False)
-        for phase in sel.phases:
-            table = dispatch_table(sel, phase, out.width)
-            if table is not None:
-                out.print(table)
-        stats = sel.stats
-        cache_where = "" if sel.cache == "off" else f" ({ResultCache(args.cache_dir).path})"
-        out.print(f"cache: {sel.cache}{cache_where}", highlight=False)
-        mem = f", peak GPU memory {stats['worker_peak_gpu_mem_mb']:.0f} MiB" if stats["worker_peak_gpu_mem_mb"] else ""
-        rss = f", peak RSS {stats['worker_peak_rss_mb']:.0f} MiB" if stats["worker_peak_rss_mb"] else ""
-        timed = f", timing {stats['timing_wall_s']:.1f} s" if stats.get("timing_wall_s") else ""
-        out.print(f"validation worker: {stats['spawns']} spawn(s), {stats['deaths']} death(s), "
-                  f"{stats['worker_wall_s']:.1f} s{timed}{rss}{mem}", highlight=False)
-        out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}", highlight=False)
-        for phase in sel.phases:
-            out.print(choice_line(sel, phase), highlight=False, markup=False, soft_wrap=True)
-    if failure is not None:
-        raise failure  # main() prints the one-line error and exits 3
-    return 0
+        if len(kinds) == 1:  # one kind: the object of one selection, as always
+            if found[0] is not None:
+                print(json.dumps(report_json(found[0]), indent=2))
+            return code
+        print(json.dumps({"layer_kinds": [
+            {"kind": kind, "layers": layers, "spec": spec.to_dict(),
+             **({"error": str(res)} if isinstance(res, SelectionError) else {}),
+             **({"selection": report_json(sel)} if sel is not None else {})}
+            for (kind, spec, layers), res, sel in zip(kinds, results, found)]}, indent=2))
+        return code
+    out = Console()  # fits the terminal (80 columns when not a terminal and COLUMNS is unset)
+    for (kind, _, layers), res, sel in zip(kinds, results, found):
+        if len(kinds) > 1:
+            out.print(f"\n[bold]{_label(kind, layers)}[/]: layers {_ranges(layers)}")
+        if sel is not None:
+            print_report(sel, args, out)
+        if isinstance(res, SelectionError) and len(kinds) > 1:
+            out.print(f"cannot be served: {res}", markup=False)
+    return code
+
+
+def print_report(sel: Selection, args: argparse.Namespace, out: Console) -> None:
+    """The tables of one selection (candidates, dispatch per phase) and the lines under it, ending with the
+    choices."""
+    out.print(report_table(sel, out.width))
+    out.print(_time_note(sel), soft_wrap=False)
+    for phase in sel.phases:
+        table = dispatch_table(sel, phase, out.width)
+        if table is not None:
+            out.print(table)
+    stats = sel.stats
+    cache_where = "" if sel.cache == "off" else f" ({ResultCache(args.cache_dir).path})"
+    out.print(f"cache: {sel.cache}{cache_where}", highlight=False)
+    mem = f", peak GPU memory {stats['worker_peak_gpu_mem_mb']:.0f} MiB" if stats["worker_peak_gpu_mem_mb"] else ""
+    rss = f", peak RSS {stats['worker_peak_rss_mb']:.0f} MiB" if stats["worker_peak_rss_mb"] else ""
+    timed = f", timing {stats['timing_wall_s']:.1f} s" if stats.get("timing_wall_s") else ""
+    out.print(f"validation worker: {stats['spawns']} spawn(s), {stats['deaths']} death(s), "
+              f"{stats['worker_wall_s']:.1f} s{timed}{rss}{mem}", highlight=False)
+    out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}", highlight=False)
+    for phase in sel.phases:
+        out.print(choice_line(sel, phase), highlight=False, markup=False, soft_wrap=True)
 
 
 def cmd_select(args: argparse.Namespace, out: Console) -> int:
-    sel = run_selection(args)
-    for phase in sel.phases:
-        print(choice_line(sel, phase))
-    return 0
+    kinds = layer_specs_from_args(args)
+    results = _select_each(args, kinds)
+    for (kind, _, layers), res in zip(kinds, results):
+        prefix = f"{_label(kind, layers)}: " if len(kinds) > 1 else ""
+        if not isinstance(res, SelectionError):
+            for phase in res.phases:
+                print(prefix + choice_line(res, phase))
+    return EXIT_UNSERVED if any(isinstance(r, SelectionError) for r in results) else 0
 
 
 def cmd_cache(args: argparse.Namespace, out: Console) -> int:
@@ -316,13 +428,22 @@ def cmd_cache(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, out: Console) -> int:
+    import torch
+
     from .bench import run_bench
 
+    if any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim")):
+        spec_from_args(args)  # bad input is exit 2 on any machine
+    for name in args.backends or ():
+        _check_backend_choice("--backends", name, allow_auto=False)
+    if not torch.cuda.is_available():
+        raise CannotRun("attnsel bench times kernels on a CUDA device; none was found")
     return run_bench(args, out)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnsel", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"attnsel {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="validate and select backends, then show every backend x phase")
@@ -345,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("show", "path", "clear"))
     add_cache_dir_arg(p)
     p.set_defaults(func=cmd_cache)
+    for p in sub.choices.values():  # -q after the subcommand too (SUPPRESS: absent there keeps the main default)
+        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help="only warnings and errors on stderr")
     return parser
 
 
@@ -361,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except SelectionError as exc:
         err.print(f"attnsel: cannot serve: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_UNSERVED
+    except CannotRun as exc:
+        err.print(f"attnsel: cannot run: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_UNSERVED
 
 

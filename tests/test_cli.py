@@ -1,6 +1,7 @@
 """CLI: exit codes 0/2/3, the messages a user sees, and the --json schema."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,146 @@ def test_cache_commands(capsys):
     assert code == 0 and "4 entries" in " ".join(out.split())
     code, out, _ = run(capsys, "cache", "clear")
     assert code == 0 and out.startswith("removed 4 entries")
+
+
+# ---- configs with several layer kinds; errors that name their source; --version; -q --------------------------------
+CONFIGS = ROOT / "examples" / "configs"
+
+
+def test_report_json_one_object_per_layer_kind(capsys):
+    code, out, err = run(capsys, "report", "--config", str(CONFIGS / "gpt-oss-20b.json"), "--json", "--policy",
+                         "priority", "--device", "cpu")
+    assert code == 0, err
+    data = json.loads(out)
+    assert list(data) == ["layer_kinds"]
+    sliding, full = data["layer_kinds"]
+    assert (sliding["kind"], sliding["layers"]) == ("sliding_attention", list(range(0, 24, 2)))
+    assert (full["kind"], full["layers"]) == ("full_attention", list(range(1, 24, 2)))
+    assert sliding["spec"]["sliding_window"] == 128 and full["spec"]["sliding_window"] is None
+    for kind in (sliding, full):
+        assert kind["spec"]["sinks"] is True
+        assert kind["selection"]["spec"] == kind["spec"]  # each kind selected for its own spec
+        for phase in ("prefill", "decode"):
+            statuses = {c["name"]: c["status"] for c in kind["selection"][phase]["candidates"]}
+            assert statuses[kind["selection"][phase]["backend"]] == "selected"
+
+
+def test_select_and_report_label_each_layer_kind(capsys):
+    code, out, _ = run(capsys, "select", "--config", str(CONFIGS / "gemma-3-1b.json"), "--policy", "priority",
+                       "--device", "cpu")
+    assert code == 0
+    assert [line.split(": prefill")[0].split(": decode")[0] for line in out.splitlines()] == [
+        "sliding_attention (22 layers)"] * 2 + ["full_attention (4 layers)"] * 2
+    assert re.fullmatch(r"sliding_attention \(22 layers\): prefill: \w+ \(auto\)", out.splitlines()[0])
+    code, out, _ = run(capsys, "report", "--config", str(CONFIGS / "gemma-3-1b.json"), "--policy", "priority",
+                       "--device", "cpu")
+    assert code == 0
+    assert "sliding_attention (22 layers): layers 0-4, 6-10, 12-16, 18-22, 24-25" in out
+    assert "full_attention (4 layers): layers 5, 11, 17, 23" in out
+    assert "4/1 heads, head_dim 256, bf16, page 16, sliding window 512" in out
+
+
+def test_one_kind_configs_keep_the_single_object_json(capsys):
+    code, out, _ = run(capsys, "report", "--config", str(CONFIGS / "mistral-7b-v0.1.json"), "--json", "--policy",
+                       "priority", "--device", "cpu")
+    assert code == 0
+    data = json.loads(out)
+    assert {"prefill", "decode", "spec"} <= set(data) and data["spec"]["sliding_window"] == 4096
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", str(CONFIGS / "deepseek-v3.json")],
+     "attnsel: error: config: kv_lora_rank 512, q_lora_rank 1536, qk_rope_head_dim 64, qk_nope_head_dim 128: "
+     "multi-head latent attention, which AttentionSpec cannot express (model_type 'deepseek_v3'); attnsel cannot "
+     "serve this model's attention"),
+    (["--config", LLAMA, "--num-heads", "30"],
+     "attnsel: error: --num-heads (30) must be a multiple of the config's num_kv_heads (8)"),
+    (["--num-heads", "8", "--head-dim", "64", "--prefill-priority", "tritn"],
+     "attnsel: error: --prefill-priority: unknown backend 'tritn'; valid: fa3, flashinfer, flashinfer_cuda_cores, "
+     "triton, torch"),
+    (["--num-heads", "8", "--head-dim", "64", "--sliding-window", "0"],
+     "attnsel: error: --sliding-window must be None or a positive integer (tokens), got 0"),
+])
+def test_config_and_flag_errors_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, "report", *argv)
+    assert (code, out) == (2, "")
+    assert err.strip() == message
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"num_attention_heads": 32, "num_key_value_heads": 0, "head_dim": 128},
+     "config: num_key_value_heads must be a positive integer, got 0 (--num-kv-heads overrides it)"),
+    ({"num_attention_heads": 32, "num_key_value_heads": "32", "head_dim": 128},
+     "config: num_key_value_heads must be a positive integer, got '32' (--num-kv-heads overrides it)"),
+    ({"num_attention_heads": 8, "head_dim": 64, "torch_dtype": "float8_e4m3fn"},
+     "config: torch_dtype 'float8_e4m3fn' is not supported; allowed: bf16, bfloat16, float, float16, float32, fp16, "
+     "fp32, half (--dtype overrides it)"),
+])
+def test_bad_config_values_exit_2_naming_the_key_and_the_flag(capsys, tmp_path, config, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = run(capsys, "select", "--config", str(path))
+    assert (code, out) == (2, "")
+    assert err.strip() == f"attnsel: error: {message}"
+
+
+def test_flags_override_the_config_and_config_dir(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                      "head_dim": 64, "torch_dtype": "float8_e4m3fn"}))
+    code, out, err = run(capsys, "select", "--config", str(tmp_path), "--dtype", "fp32", "--policy", "priority",
+                         "--device", "cpu", "-q")
+    assert code == 0, err
+    assert out.splitlines() == ["prefill: torch (auto)", "decode: torch (auto)"]
+
+
+def test_environment_backend_error_names_the_variable(capsys, monkeypatch):
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "bogus")
+    code, out, err = run(capsys, "select", *SMALL)
+    assert code == 2
+    assert err.strip() == ("attnsel: error: ATTNSEL_DECODE_BACKEND=bogus (environment variable): unknown backend "
+                           "'bogus'; valid: auto, fa3, flashinfer, flashinfer_cuda_cores, triton, torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")  # the variable still sets the default; the flag wins
+    code, out, _ = run(capsys, "select", *SMALL, "--llm_prefill_att_backend", "torch", "-q")
+    assert out.splitlines() == ["prefill: torch (explicit)", "decode: torch (explicit)"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")
+def test_bench_without_cuda_exits_3(capsys):
+    code, out, err = run(capsys, "bench", *SMALL)
+    assert code == 3
+    assert err.strip() == "attnsel: cannot run: attnsel bench times kernels on a CUDA device; none was found"
+    code, out, err = run(capsys, "bench", "--num-heads", "0", "--head-dim", "64")  # bad input stays 2
+    assert code == 2 and "--num-heads must be a positive integer, got 0" in err
+
+
+def test_quiet_after_the_subcommand_and_version(capsys):
+    code, out, err = run(capsys, "select", *SMALL, "-q", "--policy", "priority")
+    assert code == 0 and err == ""  # no progress lines
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == "attnsel 0.2.0\n"
+
+
+def test_no_numpy_warning_numpy_is_a_dependency():
+    """torch without numpy prints `UserWarning: Failed to initialize NumPy` at import: attnsel depends on numpy."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in deps)
+    proc = subprocess.run([sys.executable, "-W", "error::UserWarning", "-m", "attnsel", "--version"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "attnsel 0.2.0\n", "")
+
+
+def test_a_layer_kind_that_cannot_be_served_is_shown_and_exits_3(capsys, monkeypatch):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NAN_DECODE")
+    code, out, err = run(capsys, "report", "--config", str(CONFIGS / "gemma-3-1b.json"), "--json", "--policy",
+                         "priority", "--device", "cpu", "--llm_decode_att_backend", "nan_decode")
+    assert code == 3
+    kinds = json.loads(out)["layer_kinds"]
+    assert [k["kind"] for k in kinds] == ["sliding_attention", "full_attention"]
+    for kind in kinds:
+        assert "selection" not in kind
+        assert "decode backend 'nan_decode' was requested explicitly but is rejected" in kind["error"]
+    assert "attnsel: cannot serve sliding_attention (22 layers): decode backend 'nan_decode'" in " ".join(err.split())
