@@ -313,6 +313,13 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     mask_function = mask_function or causal_mask_function
     kwargs.pop("allow_is_causal_skip", None)
     window = _mask_window(mask_function, local_size)
+    # generate() makes the masks of a StaticCache step ahead of the forward, and models without per-layer-type
+    # masks pass that mask back in here: it is already a key mask of this step (slicing it again would be wrong)
+    made = getattr(attention_mask, "_attnsel_window", False)
+    if made is not False:
+        if made != window:
+            raise ValueError(f"{NAME}: a key mask made for sliding window {made} was passed back for window {window}")
+        return attention_mask
     if window is False:
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
