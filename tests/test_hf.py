@@ -60,10 +60,16 @@ def dense_pair(cls, path, dtype=torch.float32):
     return ref, ours
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("attnsel-cache")
+
+
 @pytest.fixture(autouse=True)
-def _registered():
+def _registered(shared_cache, monkeypatch):
+    """One validation per spec for the whole file (the tests here are about the integration, not the cache)."""
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(shared_cache))
     hf.register(policy="priority")
-    yield
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])

@@ -87,10 +87,16 @@ def assert_same_model_outputs(ref, ours, static: bool = True):
                                ref.generate(input_ids=ids, attention_mask=mask, cache_implementation="static", **gen))
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("attnsel-cache")
+
+
 @pytest.fixture(autouse=True)
-def _registered():
+def _registered(shared_cache, monkeypatch):
+    """One validation per spec for the whole file (the tests here are about the integration, not the cache)."""
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(shared_cache))
     hf.register(policy="priority")
-    yield
 
 
 @pytest.fixture
