@@ -182,3 +182,27 @@ def test_paged_features_no_backend_serves_are_handed_back(cpu_paged_cache, no_ba
     ours.set_attn_implementation("paged|attnsel")
     assert paged_tokens(ours) == expected
     assert hf.fallbacks() and all(r.endswith("(paged)") for r in hf.fallbacks())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3", "gpt_oss"])
+def test_family_on_gpu_in_bf16(kind, caplog):
+    """The families on CUDA in bf16 through the automatically selected kernels: no call handed back, and logits as
+    close to the float32 eager model as transformers' own bf16 eager attention is (x2 + 0.01). Policy priority
+    (the autouse registration): the first valid backend per phase, validated on this GPU."""
+    ref, ours = pair(kind)
+    ref32 = ref.to("cuda")
+    ids, mask = (t.cuda() for t in padded_batch())
+    real = mask.bool()
+    with torch.no_grad():
+        exact = ref32(input_ids=ids, attention_mask=mask).logits[real].float()
+        eager16 = ref32.to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits[real].float()
+        with caplog.at_level("INFO", logger="attnsel"):
+            got = ours.to("cuda", torch.bfloat16)(input_ids=ids, attention_mask=mask).logits[real].float()
+    budget = 2 * (eager16 - exact).abs().max().item() + 1e-2
+    err = (got - exact).abs().max().item()
+    print(f"{kind}: max |attnsel bf16 - eager fp32| = {err:.4f}, eager bf16: {budget / 2 - 5e-3:.4f}; "
+          + "; ".join(line for line in caplog.text.splitlines() if "attnsel for" in line))
+    assert hf.fallbacks() == {}
+    assert err <= budget
