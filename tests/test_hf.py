@@ -205,3 +205,17 @@ def test_paged_name_without_cache_is_a_clear_error(saved):
     model = cls.from_pretrained(path, attn_implementation="paged|attnsel").eval()
     with pytest.raises(ValueError, match="paged\\|attnsel was called without a paged attention cache"):
         model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_select_for_model_selects_what_the_calls_ask(saved):
+    """select_for_model runs the selection for the spec the attention calls have (heads, head dim and dtype of the
+    tensors), at the page size asked, and leaves a paged model's implementation as it was."""
+    cls, path = saved("qwen2")
+    names = ["attnsel"] + ([] if hf.paged_unsupported() else ["paged|attnsel"])
+    for name in names:
+        model = cls.from_pretrained(path, attn_implementation=name).eval()
+        sel = hf.select_for_model(model, page_size=32)
+        assert (sel.spec.num_q_heads, sel.spec.num_kv_heads, sel.spec.head_dim, sel.spec.dtype,
+                sel.spec.page_size) == (28, 4, 8, "fp32", 32)
+        assert model.config._attn_implementation == name
+    assert hf.fallbacks() == {}

@@ -174,6 +174,9 @@ def _call_spec(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if dropout and module.training:
         return None, f"attention dropout {dropout} in training"
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    for name, val in (("sliding_window", window), ("softcap", softcap)):
+        if isinstance(val, bool) or (val is not None and not isinstance(val, (int, float))):
+            return None, f"{name}={_short(val)} (expected a number or None)"
     sig = (query.dtype, key.dtype, value.dtype, query.device, query.shape[1], key.shape[1], value.shape[1],
            query.shape[-1], key.shape[-1], value.shape[-1], scaling, window, softcap,
            None if sinks is None else (type(sinks), tuple(getattr(sinks, "shape", ()))), page_size,
@@ -186,6 +189,7 @@ def _call_spec(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def _select_for_call(sig: tuple) -> tuple[str, Selection | None]:
+    """(reason, None) or ("", the Selection) for a call signature of ``_call_spec``."""
     qdt, kdt, vdt, device, hq, hk, hv, dq, dk, dv, scaling, window, softcap, sinks, page_size, _ = sig
     if dk != dq or dv != dq:
         return f"head dims differ: query {dq}, key {dk}, value {dv} (no attnsel backend serves that)", None
@@ -197,9 +201,6 @@ def _select_for_call(sig: tuple) -> tuple[str, Selection | None]:
         return f"key has {hk} heads but value {hv}", None
     if sinks is not None and (not issubclass(sinks[0], torch.Tensor) or sinks[1] != (hq,)):
         return f"s_aux of type {sinks[0].__name__} and shape {sinks[1]} (expected a tensor [{hq}])", None
-    for name, val in (("sliding_window", window), ("softcap", softcap)):
-        if isinstance(val, bool) or (val is not None and not isinstance(val, (int, float))):
-            return f"{name}={_short(val)} (expected a number or None)", None
     scale = None if scaling is None or math.isclose(scaling, dq ** -0.5, rel_tol=1e-6) else float(scaling)
     try:
         spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hk, head_dim=dq, dtype=_DTYPE_NAMES[qdt],
