@@ -165,7 +165,7 @@ def cpu_paged_cache(monkeypatch):
         monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3", "gpt_oss"])
 def test_paged_family_is_served_exactly(kind, cpu_paged_cache):
     ref, ours = pair(kind)
     expected = eager_tokens(ref)

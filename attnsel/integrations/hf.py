@@ -246,11 +246,15 @@ def _transformers_attention(module, kwargs: dict):
     model's own eager attention (sinks, softcap and whatever else the model's arguments mean)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    plain = all(name in _SDPA_HONOURS or val is None or (name == "output_attentions" and not val)
-                for name, val in kwargs.items())
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if plain or eager is None:
+    ignored = [name for name, val in kwargs.items()
+               if name not in _SDPA_HONOURS and val is not None and not (name == "output_attentions" and not val)]
+    if not ignored:
         return sdpa_attention_forward, False
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise NotImplementedError(f"{type(module).__name__}: attnsel cannot serve this call and transformers' SDPA "
+                                  f"would ignore {', '.join(ignored)}; the model's module has no "
+                                  "eager_attention_forward to hand it to")
     return eager, True
 
 
