@@ -21,16 +21,19 @@ SMALL = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_ke
 
 
 def family(kind: str):
-    """(config, model class) of a tiny model of one family; windows shorter than the longest prompt (11 tokens)."""
+    """(config, model class) of a tiny model of one family; windows shorter than the longest prompt (11 tokens).
+    Gemma's tied, scaled embeddings make a tiny random model repeat its last token whatever the attention computes:
+    untied here, so that greedy tokens depend on the attention."""
     if kind == "mistral":  # one window for every layer, shorter than the prompt
         return transformers.MistralConfig(sliding_window=6, **SMALL, **COMMON), transformers.MistralForCausalLM
     if kind == "gemma2":  # softcap, alternating window, query_pre_attn_scalar scale
         return (transformers.Gemma2Config(head_dim=16, sliding_window=4, attn_logit_softcapping=1.0,
-                                          query_pre_attn_scalar=24, **SMALL, **COMMON),
+                                          query_pre_attn_scalar=24, tie_word_embeddings=False, **SMALL, **COMMON),
                 transformers.Gemma2ForCausalLM)
     if kind == "gemma3":  # sliding and full layers
         return (transformers.Gemma3TextConfig(head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
-                                              layer_types=["sliding_attention", "full_attention"], **SMALL, **COMMON),
+                                              layer_types=["sliding_attention", "full_attention"],
+                                              tie_word_embeddings=False, **SMALL, **COMMON),
                 transformers.Gemma3ForCausalLM)
     if kind == "gpt_oss":  # attention sinks (s_aux), alternating window
         return (transformers.GptOssConfig(head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
