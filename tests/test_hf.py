@@ -219,3 +219,11 @@ def test_select_for_model_selects_what_the_calls_ask(saved):
                 sel.spec.page_size) == (28, 4, 8, "fp32", 32)
         assert model.config._attn_implementation == name
     assert hf.fallbacks() == {}
+
+
+def test_model_spec_from_the_config():
+    cls, cfg = tiny("qwen2")
+    spec = hf.model_spec(cfg, torch.bfloat16, 256)
+    assert (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.page_size) == (28, 4, 8, "bf16", 256)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        hf.model_spec(cfg, torch.int8, 16)

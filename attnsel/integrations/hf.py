@@ -121,6 +121,19 @@ def _fall_back(reason: str) -> None:
         log.warning("attnsel: handing the call back to transformers: %s", reason)
 
 
+def model_spec(config, dtype: torch.dtype, page_size: int, scaling: float | None = None) -> AttentionSpec:
+    """AttentionSpec of a transformers model config at the model's dtype (``AttentionSpec.from_hf_config``). The
+    attention calls themselves select for the spec of their tensors and arguments, which can differ (MLA head dims,
+    per-layer windows): use this for a first guess before the model runs (e.g. to print a selection at start-up)."""
+    if dtype not in _DTYPE_NAMES:
+        raise SpecError(f"dtype must be one of {', '.join(map(str, _DTYPE_NAMES))}, got {dtype}")
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    spec = AttentionSpec.from_hf_config(data, dtype=_DTYPE_NAMES[dtype], page_size=page_size)
+    if scaling is not None and not math.isclose(scaling, spec.head_dim ** -0.5, rel_tol=1e-6):
+        spec = dataclasses.replace(spec, softmax_scale=float(scaling))
+    return spec
+
+
 def selection_for(spec: AttentionSpec, device: torch.device) -> Selection:
     """The Selection for a spec on a device, made once per process (the persistent cache makes later starts fast)."""
     key = (spec, str(device))
