@@ -227,3 +227,21 @@ def test_model_spec_from_the_config():
     assert (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.page_size) == (28, 4, 8, "bf16", 256)
     with pytest.raises(ValueError, match="dtype must be one of"):
         hf.model_spec(cfg, torch.int8, 16)
+
+
+def test_static_generate_under_transformers_auto_compile(saved):
+    """On CUDA, generate with a StaticCache compiles the model's forward; attnsel's host-side planning must run
+    eagerly inside it (dynamo failed tracing it). Dynamo with the eager backend, forced on the CPU."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    cls, path = saved("llama")
+    ref, ours = dense_pair(cls, path)
+    ids, mask = padded_batch()
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static",
+               compile_config=config)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(input_ids=ids, attention_mask=mask, **gen),
+                           ref.generate(input_ids=ids, attention_mask=mask, **gen))
+    assert hf.fallbacks() == {}

@@ -320,6 +320,7 @@ def _mask_window(mask_function, local_size):
     return False
 
 
+@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
 def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, mask_function=None,
              attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs):
     """transformers mask function of "attnsel": a bool key mask ``[B, n]`` over the key slots that exist (padding
@@ -425,6 +426,7 @@ def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: in
     return _DensePlan(False, run, qmask.nonzero(as_tuple=True), kmask.nonzero(as_tuple=True))
 
 
+@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -507,6 +509,7 @@ def _paged_fallback(module, query, key, value, cache, cu_q, cu_k, read_index, wr
               dropout=dropout, **model_kwargs)
 
 
+@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, read_index=None, write_index=None,
