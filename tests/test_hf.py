@@ -245,3 +245,18 @@ def test_static_generate_under_transformers_auto_compile(saved):
         assert torch.equal(ours.generate(input_ids=ids, attention_mask=mask, **gen),
                            ref.generate(input_ids=ids, attention_mask=mask, **gen))
     assert hf.fallbacks() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_static_generate_on_gpu_with_default_auto_compile(saved):
+    """On CUDA transformers compiles static-cache generation by default (inductor, CUDA graphs): attnsel's calls run
+    eagerly between the compiled regions and give sdpa's tokens (float32: the backends attnsel selects for it)."""
+    cls, path = saved("llama")
+    ref, ours = (m.to("cuda") for m in dense_pair(cls, path))
+    ids, mask = (t.cuda() for t in padded_batch())
+    gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(ours.generate(input_ids=ids, attention_mask=mask, **gen),
+                           ref.generate(input_ids=ids, attention_mask=mask, **gen))
+    assert hf.fallbacks() == {}
