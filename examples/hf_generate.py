@@ -34,3 +34,4 @@ out = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_to
                      pad_token_id=0)
 for row in out[:, width:].tolist():
     print("generated:", row)
+print("attention calls handed back to transformers:", hf.fallbacks() or "none")

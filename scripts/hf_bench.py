@@ -72,8 +72,8 @@ result = {
     "layers": args.layers, "requests": args.requests, "prompt_tokens": sum(lengths), "new_tokens": args.new_tokens,
     "walls_s": walls, "tokens_per_s": {n: generated / statistics.median(w) for n, w in walls.items()},
     "speedup_attnsel_vs_sdpa_paged": statistics.median(walls["paged|sdpa"]) / statistics.median(walls["paged|attnsel"]),
-    "identical_token_fraction": same / generated, "selection": {"prefill": sel.prefill, "decode": sel.decode,
-                                                                "page_size": sel.spec.page_size},
+    "identical_token_fraction": same / generated, "fallbacks": hf.fallbacks(),
+    "selection": {"prefill": sel.prefill, "decode": sel.decode, "page_size": sel.spec.page_size},
 }
 print(json.dumps(result, indent=1))
 with open(args.out, "w") as fh:

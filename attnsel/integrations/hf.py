@@ -1,29 +1,37 @@
 """Hugging Face transformers integration: attention implementations ``"attnsel"`` and ``"paged|attnsel"``.
 
 ``register()`` once, before loading the model, then ``from_pretrained(..., attn_implementation="attnsel")`` for
-``generate`` or ``"paged|attnsel"`` for continuous batching (``generate_batch``). The backend selection runs once per
-model shape and device at the first attention call (or explicitly with ``select_for_model``), with the same
-options, environment and cache as the CLI, and is logged as ``prefill: X, decode: Y``.
+``generate`` or ``"paged|attnsel"`` for continuous batching (``generate_batch``, transformers 5.17).
 
-Dense path: the 2D padding mask is unpadded into a ragged batch for prefill; one-token steps go through the paged
-decode API (the dense cache rows are gathered into pages, left-aligned). Paged path (transformers 5.17): decode-only
-steps write the new tokens into transformers' own cache tensors and read them in place through a page table derived
-from its read index; steps with prefill tokens go through the ragged prefill API.
-Calls the selected backend cannot serve (sliding windows, dropout, non-causal attention) fall back to the torch
-backend, logged once per reason.
+Serve exactly what the model asks, or hand the call back to transformers. Every attention call is inspected: its
+tensors (query/key/value heads, head dims, dtype) and its keyword arguments (sliding_window, softcap, s_aux sinks,
+scaling, is_causal, dropout, ...) give the call's ``AttentionSpec``; the selection runs once per distinct spec and
+device (same options, environment and cache as the CLI; logged as ``prefill: X, decode: Y``). A call attnsel cannot
+serve (an argument it does not implement, a mask pattern it does not serve, value head dim != query head dim, a spec
+no backend supports) runs transformers' own implementation: the model's ``eager_attention_forward`` when the call
+carries a feature plain SDPA ignores (sinks, softcap, anything unknown), else transformers' ``sdpa_attention_forward``,
+with the 4D mask transformers' own mask builders make. Each reason is logged once and counted (``fallbacks()``).
+
+Dense path: the registered mask function returns a 2D key mask ``[B, n]`` (padding; columns past n are empty static
+cache slots; the queries are the last ``Sq`` of the n columns), unpadded into a ragged batch for prefill; one-token
+steps go through the paged decode API (the dense cache rows are gathered into pages, left-aligned). Paged path
+(transformers 5.17): decode-only steps of full-attention layers write the new tokens into transformers' own cache
+tensors and read them in place through a page table derived from its read index; other steps (prefill, sliding
+layers) go through the ragged prefill API on the keys ``cache.update`` gathers.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import os
+import sys
 
 import torch
+import torch.nn.functional as F
 
-from ..backends.torch_sdpa import sdpa
-from ..selection import Selection, select
-from ..spec import AttentionSpec, dtype_name, hf_fields
+from .. import AttentionSpec, Selection, SelectionError, SpecError, select
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +40,27 @@ PAGED_NAME = "paged|attnsel"
 PAGED_VERSIONS = ("5.17",)  # custom paged implementations are accepted (5.19 refuses them; 5.18 changed the cache)
 DENSE_PAGE_SIZE = 16
 ENV_PREFILL, ENV_DECODE = "ATTNSEL_PREFILL_BACKEND", "ATTNSEL_DECODE_BACKEND"
+# attnsel's names of the activation dtypes it serves (AttentionSpec.dtype)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+# Keyword arguments of an attention call. Served: become spec fields or run-time inputs. Irrelevant: do not change
+# the attention's result (positions are applied to q/k before the call; packed sequences show in the mask, which is
+# then 4D and handed back). Paged: continuous batching's plumbing, read by the paged path. Any other argument that
+# is set (not None) hands the call back to transformers, naming it.
+_SERVED = frozenset({"sliding_window", "softcap", "s_aux", "is_causal", "output_attentions"})
+_IRRELEVANT = frozenset({"position_ids", "use_cache", "output_router_logits", "output_hidden_states",
+                         "num_items_in_batch", "return_dict"})
+_PAGED = frozenset({"cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_seqlen_q", "max_seqlen_k", "read_index",
+                    "write_index", "block_table", "logits_indices", "logits_processor_args"})
+# Arguments transformers' sdpa_attention_forward honours (the rest it ignores: those calls go to the model's eager)
+_SDPA_HONOURS = frozenset({"is_causal", "position_bias", "sliding_window"}) | _IRRELEVANT
 
 _options: dict = {}
 _selections: dict = {}
 _logged: set = set()
+_fallbacks: dict[str, int] = {}
 _registrations = [0]
+_page_size_override: list = [None]  # select_for_model's page size during its warm-up forward
 
 
 def _transformers_version() -> str:
@@ -62,10 +86,7 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     """
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import (
-            AttentionMaskInterface,
-            flash_attention_mask,
-        )
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:
         raise RuntimeError("attnsel.integrations.hf needs transformers >= 5.0 with AttentionInterface and "
                            f"AttentionMaskInterface ({exc})") from exc
@@ -74,9 +95,10 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     _options.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None})
     _selections.clear()
     _logged.clear()
+    _fallbacks.clear()
     _registrations[0] += 1
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)  # 2D padding mask (or None), unpadded here
+    AttentionMaskInterface.register(NAME, key_mask)
     names = [NAME]
     reason = paged_unsupported()
     if reason is None:
@@ -87,14 +109,29 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     return names
 
 
+def fallbacks() -> dict[str, int]:
+    """Attention calls handed back to transformers since ``register()``, by reason."""
+    return dict(_fallbacks)
+
+
+def _fall_back(reason: str) -> None:
+    _fallbacks[reason] = _fallbacks.get(reason, 0) + 1
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("attnsel: handing the call back to transformers: %s", reason)
+
+
 def model_spec(config, dtype: torch.dtype, page_size: int, scaling: float | None = None) -> AttentionSpec:
-    """AttentionSpec of a transformers model config at the model's dtype."""
+    """AttentionSpec of a transformers model config at the model's dtype (``AttentionSpec.from_hf_config``). The
+    attention calls themselves select for the spec of their tensors and arguments, which can differ (MLA head dims,
+    per-layer windows): use this for a first guess before the model runs (e.g. to print a selection at start-up)."""
+    if dtype not in _DTYPE_NAMES:
+        raise SpecError(f"dtype must be one of {', '.join(map(str, _DTYPE_NAMES))}, got {dtype}")
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    fields = hf_fields(data)
-    fields.update(dtype=dtype_name(dtype), page_size=page_size)
-    if scaling is not None and not math.isclose(scaling, fields["head_dim"] ** -0.5, rel_tol=1e-6):
-        fields["softmax_scale"] = float(scaling)
-    return AttentionSpec(**fields)
+    spec = AttentionSpec.from_hf_config(data, dtype=_DTYPE_NAMES[dtype], page_size=page_size)
+    if scaling is not None and not math.isclose(scaling, spec.head_dim ** -0.5, rel_tol=1e-6):
+        spec = dataclasses.replace(spec, softmax_scale=float(scaling))
+    return spec
 
 
 def selection_for(spec: AttentionSpec, device: torch.device) -> Selection:
@@ -109,64 +146,235 @@ def selection_for(spec: AttentionSpec, device: torch.device) -> Selection:
     return _selections[key]
 
 
-def _module_selection(module, query: torch.Tensor, scaling: float | None, page_size: int) -> Selection:
-    """selection_for this attention module's spec, remembered on the module: building the spec from the config on
-    every layer call would put a config.to_dict() on the hot path."""
-    key = (query.dtype, query.device, page_size, scaling, _registrations[0])  # a new register() forgets the memo
-    memo = module.__dict__.get("_attnsel_selection")
-    if memo is None or memo[0] != key:
-        sel = selection_for(model_spec(module.config, query.dtype, page_size, scaling), query.device)
-        module.__dict__["_attnsel_selection"] = memo = (key, sel)
-    return memo[1]
-
-
-def select_for_model(model, page_size: int = DENSE_PAGE_SIZE) -> Selection:
-    """Run the selection for a loaded model now (instead of at its first attention call)."""
+def select_for_model(model, page_size: int = DENSE_PAGE_SIZE) -> Selection | None:
+    """Run the selections for a loaded model now instead of at its first attention calls: one forward pass of two
+    tokens through attnsel's dense path selects for every kind of attention layer the model calls (specs come from
+    the calls' tensors, as in generation), at ``page_size``. Returns the Selection of the first attention layer
+    attnsel serves, or None when every layer is handed back to transformers (``fallbacks()`` says why)."""
     param = next(model.parameters())
-    return selection_for(model_spec(model.config, param.dtype, page_size), param.device)
-
-
-def _log_once(reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.warning("attnsel: falling back to the torch backend: %s", reason)
-
-
-def _cannot_serve(module, dropout: float, kwargs: dict, longest_kv: int) -> str | None:
-    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
-        return "non-causal attention"
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    if window and longest_kv > window:  # a window longer than every sequence is plain causal attention
-        return f"sliding-window attention (window {window})"
-    if dropout and module.training:
-        return "attention dropout in training"
-    if kwargs.get("softcap"):
-        return "logit softcapping"
+    before = model.config._attn_implementation
+    _page_size_override[0] = page_size
+    try:
+        if before != NAME:
+            model.set_attn_implementation(NAME)
+        with torch.no_grad():
+            model(input_ids=torch.ones(1, 2, dtype=torch.long, device=param.device), use_cache=False)
+    finally:
+        _page_size_override[0] = None
+        if before != NAME:
+            model.set_attn_implementation(before)
+    for mod in model.modules():
+        for _, sel in mod.__dict__.get("_attnsel_memo", {}).values():
+            if sel is not None:
+                return sel
     return None
+
+
+# --- what a call asks for -------------------------------------------------------------------------------------------
+
+def _call_spec(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, dropout: float,
+               kwargs: dict, page_size: int, plumbing: frozenset = frozenset()) -> tuple[Selection | None, str]:
+    """(selection, "") when attnsel serves this call exactly, else (None, the reason). Remembered per module and
+    call signature, so the hot path is a dict lookup after the first call of each kind."""
+    for name, val in kwargs.items():
+        if name not in _SERVED and name not in _IRRELEVANT and name not in plumbing and val is not None:
+            return None, f"argument {name}={_short(val)} (not implemented by attnsel)"
+    if kwargs.get("output_attentions"):
+        return None, "output_attentions=True (attention weights)"
+    causal = kwargs.get("is_causal")
+    if causal is False or (causal is None and getattr(module, "is_causal", True) is False):
+        return None, "non-causal attention"
+    if dropout and module.training:
+        return None, f"attention dropout {dropout} in training"
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    for name, val in (("sliding_window", window), ("softcap", softcap)):
+        if isinstance(val, bool) or (val is not None and not isinstance(val, (int, float))):
+            return None, f"{name}={_short(val)} (expected a number or None)"
+    sig = (query.dtype, key.dtype, value.dtype, query.device, query.shape[1], key.shape[1], value.shape[1],
+           query.shape[-1], key.shape[-1], value.shape[-1], scaling, window, softcap,
+           None if sinks is None else (type(sinks), tuple(getattr(sinks, "shape", ()))), page_size,
+           _registrations[0])
+    memo = module.__dict__.setdefault("_attnsel_memo", {})
+    if sig not in memo:
+        memo[sig] = _select_for_call(sig)
+    reason, sel = memo[sig]
+    return sel, reason
+
+
+def _select_for_call(sig: tuple) -> tuple[str, Selection | None]:
+    """(reason, None) or ("", the Selection) for a call signature of ``_call_spec``."""
+    qdt, kdt, vdt, device, hq, hk, hv, dq, dk, dv, scaling, window, softcap, sinks, page_size, _ = sig
+    if dk != dq or dv != dq:
+        return f"head dims differ: query {dq}, key {dk}, value {dv} (no attnsel backend serves that)", None
+    if kdt != qdt or vdt != qdt:
+        return f"key/value dtype {kdt}/{vdt} differs from the query's {qdt}", None
+    if qdt not in _DTYPE_NAMES:
+        return f"dtype {qdt} (attnsel serves {', '.join(map(str, _DTYPE_NAMES))})", None
+    if hv != hk:
+        return f"key has {hk} heads but value {hv}", None
+    if sinks is not None and (not issubclass(sinks[0], torch.Tensor) or sinks[1] != (hq,)):
+        return f"s_aux of type {sinks[0].__name__} and shape {sinks[1]} (expected a tensor [{hq}])", None
+    scale = None if scaling is None or math.isclose(scaling, dq ** -0.5, rel_tol=1e-6) else float(scaling)
+    try:
+        spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hk, head_dim=dq, dtype=_DTYPE_NAMES[qdt],
+                             page_size=page_size, softmax_scale=scale, sliding_window=window, softcap=softcap,
+                             sinks=sinks is not None)
+    except SpecError as exc:
+        return f"the call's attention is not a valid spec: {exc}", None
+    try:
+        return "", selection_for(spec, device)
+    except SelectionError as exc:
+        return f"no attnsel backend serves {spec.describe()}: {exc}", None
+
+
+def _short(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"tensor{list(val.shape)}"
+    text = repr(val)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _run_inputs(kwargs: dict) -> dict:
+    """Run-time feature inputs of the backend protocol: sinks as float32 [num_q_heads]."""
+    sinks = kwargs.get("s_aux")
+    return {} if sinks is None else {"sinks": sinks.detach().float()}
+
+
+def _plan_args(method, **host) -> dict:
+    """The host-side sizes a Selection's plan method accepts (the dispatch table uses them to pick a backend
+    without a device sync); Selections without these parameters (before the dispatch table) get none."""
+    func = getattr(method, "__func__", method)
+    if func not in _plan_params:
+        _plan_params[func] = frozenset(inspect.signature(func).parameters)
+    return {k: v for k, v in host.items() if k in _plan_params[func]}
+
+
+_plan_params: dict = {}
+
+
+# --- transformers' own implementations (the fallback) ---------------------------------------------------------------
+
+def _transformers_attention(module, kwargs: dict):
+    """(function, needs_float_mask): transformers' SDPA attention when it computes what the call asks, else the
+    model's own eager attention (sinks, softcap and whatever else the model's arguments mean)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ignored = [name for name, val in kwargs.items()
+               if name not in _SDPA_HONOURS and val is not None and not (name == "output_attentions" and not val)]
+    if not ignored:
+        return sdpa_attention_forward, False
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise NotImplementedError(f"{type(module).__name__}: attnsel cannot serve this call and transformers' SDPA "
+                                  f"would ignore {', '.join(ignored)}; the model's module has no "
+                                  "eager_attention_forward to hand it to")
+    return eager, True
+
+
+def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, reason):
+    """The call computed by transformers: its SDPA or the model's eager attention, on the 4D mask transformers'
+    own builders make from the 2D key mask (same padding, causal and sliding-window pattern)."""
+    from transformers.masking_utils import (
+        causal_mask_function,
+        eager_mask,
+        sdpa_mask,
+        sliding_window_causal_mask_function,
+    )
+
+    _fall_back(reason)
+    fn, float_mask = _transformers_attention(module, kwargs)
+    batch, len_q, len_kv = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4:
+        mask = attention_mask
+        if float_mask and mask.dtype == torch.bool:
+            mask = torch.where(mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+    else:
+        n = len_kv if attention_mask is None else attention_mask.shape[1]
+        pattern = causal_mask_function if not window else sliding_window_causal_mask_function(window)
+        build = eager_mask if float_mask else sdpa_mask
+        mask = build(batch_size=batch, q_length=len_q, kv_length=len_kv, q_offset=n - len_q, kv_offset=0,
+                     mask_function=pattern, attention_mask=None if attention_mask is None else attention_mask.bool(),
+                     allow_is_causal_skip=False, dtype=query.dtype, device=query.device)
+    return fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 # --- dense path (generate) ------------------------------------------------------------------------------------------
 
+def _mask_window(mask_function, local_size):
+    """The sliding window of a transformers mask function: None for plain causal, an int for a sliding-window causal
+    pattern, False for anything else (chunked, packed, bidirectional, overlays)."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is causal_mask_function:
+        return None
+    try:
+        parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
+        overlay, causal = parts
+        window = inspect.getclosurevars(overlay).nonlocals.get("sliding_window")
+    except (TypeError, ValueError):
+        return False
+    if (getattr(mask_function, "__qualname__", "") == "and_masks.<locals>.and_mask" and causal is causal_mask_function
+            and getattr(overlay, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask"
+            and isinstance(window, int) and window == local_size):
+        return window
+    return False
+
+
+@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
+def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, mask_function=None,
+             attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs):
+    """transformers mask function of "attnsel": a bool key mask ``[B, n]`` over the key slots that exist (padding
+    False; slots n..kv_length-1 are empty static-cache slots; the queries are the last q_length of the n slots),
+    tagged with its sliding window (``_attnsel_window``). Patterns attnsel does not serve get transformers' own 4D
+    SDPA mask, and their attention calls are handed back."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask_function = mask_function or causal_mask_function
+    kwargs.pop("allow_is_causal_skip", None)
+    window = _mask_window(mask_function, local_size)
+    # generate() makes the masks of a StaticCache step ahead of the forward, and models without per-layer-type
+    # masks pass that mask back in here: it is already a key mask of this step (slicing it again would be wrong)
+    made = getattr(attention_mask, "_attnsel_window", False)
+    if made is not False:
+        if made != window:
+            raise ValueError(f"{NAME}: a key mask made for sliding window {made} was passed back for window {window}")
+        return attention_mask
+    if window is False:
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         local_size=local_size, allow_is_causal_skip=False, **kwargs)
+    n = int(q_offset) + q_length - kv_offset  # a StaticCache gives q_offset as a tensor: one host read per mask
+    device = kwargs.get("device", "cpu")
+    if attention_mask is None:
+        mask = torch.ones(batch_size, n, dtype=torch.bool, device=device)
+    else:
+        mask = attention_mask.bool()[:, kv_offset:kv_offset + n]
+        if mask.shape[1] < n:  # a 2D mask shorter than the keys: the missing columns are padding, as transformers'
+            mask = F.pad(mask, (0, n - mask.shape[1]), value=False)
+    mask._attnsel_window = window
+    return mask
+
+
 class _StepPlans:
-    """One plan per forward step: a step begins when a layer index does not exceed the previous call's (layers run
-    in order), or when the kind of step changes. Tensor identity or version counters are not reliable for this:
-    transformers refills static input buffers in ways that do not always bump a tensor's version.
+    """Plans of one forward step, by key: a step begins when a layer index does not exceed the previous call's
+    (layers run in order). Tensor identity or version counters are not reliable for this: transformers refills
+    static input buffers in ways that do not always bump a tensor's version.
 
     Off CUDA every call plans afresh: reusing a step's plan across layers gave NaN outputs for a CPU-resident model
-    under the device machine's torch 2.11 (2026-12-02, scripts/hf_debug.py; CUDA runs were token-identical either
-    way, the cause was not found). Planning is cheap next to CPU attention."""
+    under the device machine's torch 2.11 (2026-12-02; CUDA runs were token-identical either way, the cause was not
+    found). Planning is cheap next to CPU attention."""
 
     def __init__(self) -> None:
         self.layer: int | None = None
-        self.key = None
-        self.plan = None
+        self.plans: dict = {}
 
     def get(self, layer_idx: int | None, key, make, device: torch.device):
-        new_step = device.type != "cuda" or layer_idx is None or self.layer is None or layer_idx <= self.layer
-        if self.plan is None or new_step or key != self.key:
-            self.plan, self.key = make(), key
+        if device.type != "cuda" or layer_idx is None or self.layer is None or layer_idx <= self.layer:
+            self.plans = {}
         self.layer = layer_idx
-        return self.plan
+        if key not in self.plans:
+            self.plans[key] = make()
+        return self.plans[key]
 
 
 _dense_steps = _StepPlans()
@@ -179,16 +387,28 @@ class _DensePlan:
     run: object
     q_index: tuple  # (rows, positions) of the real query tokens
     k_index: tuple  # (rows, positions) of the real key tokens; decode: gather grid [B, padded length]
+    why: str = ""  # non-empty: this step's masks cannot be served (the call is handed back)
 
 
 def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: int, len_kv: int,
                 device: torch.device) -> _DensePlan:
-    kmask = mask.bool() if mask is not None else torch.ones(batch, len_kv, dtype=torch.bool, device=device)
-    qmask = kmask[:, -len_q:]
+    n = len_kv if mask is None else mask.shape[1]
+    kmask = torch.ones(batch, len_kv, dtype=torch.bool, device=device) if mask is None else mask.bool()
+    if n < len_kv:  # empty static-cache slots
+        kmask = F.pad(kmask, (0, len_kv - n), value=False)
+    qmask = kmask[:, n - len_q:n]
     q_lens, k_lens = qmask.sum(1), kmask.sum(1)
-    if len_q == 1 and bool((q_lens == 1).all()):
+    slot = torch.arange(len_kv, device=device)
+    span = torch.where(kmask, slot, -1).amax(1) - torch.where(kmask, slot, len_kv).amin(1) + 1
+    max_q, max_k, total_q, total_k, holes, not_one = torch.stack(
+        [q_lens.max(), k_lens.max(), q_lens.sum(), k_lens.sum(), ((k_lens > 0) & (span != k_lens)).sum(),
+         (q_lens != 1).sum()]).tolist()  # one host read per plan
+    if holes and sel.spec.sliding_window:
+        return _DensePlan(False, None, (), (), "a sliding window over a padding mask with holes (the window counts "
+                                               "padded slots)")
+    if len_q == 1 and not not_one:
         ps = sel.spec.page_size
-        padded = math.ceil(int(k_lens.max()) / ps) * ps
+        padded = max(1, math.ceil(max_k / ps)) * ps
         order = torch.argsort((~kmask).to(torch.int8), dim=1, stable=True)  # real positions first, in order
         if padded > len_kv:
             order = torch.cat([order, order[:, -1:].expand(batch, padded - len_kv)], 1)
@@ -196,71 +416,73 @@ def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: in
         rows = torch.arange(batch, device=device)[:, None].expand(batch, padded)
         pages = padded // ps
         page_table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
-        return _DensePlan(True, sel.plan_decode(page_table, k_lens.to(torch.int32)), (), (rows, pos))
-    else:
-        cu_q = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-        cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-        cu_q[1:], cu_k[1:] = torch.cumsum(q_lens, 0), torch.cumsum(k_lens, 0)
-        run = sel.plan_prefill(cu_q, cu_k, int(q_lens.max()), int(k_lens.max()))
-        return _DensePlan(False, run, qmask.nonzero(as_tuple=True), kmask.nonzero(as_tuple=True))
+        run = sel.plan_decode(page_table, k_lens.to(torch.int32),
+                              **_plan_args(sel.plan_decode, max_seq_len=max_k))
+        return _DensePlan(True, run, (), (rows, pos))
+    cu_q = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    cu_q[1:], cu_k[1:] = torch.cumsum(q_lens, 0), torch.cumsum(k_lens, 0)
+    run = sel.plan_prefill(cu_q, cu_k, max_q, max_k, **_plan_args(sel.plan_prefill, total_q=total_q, total_k=total_k))
+    return _DensePlan(False, run, qmask.nonzero(as_tuple=True), kmask.nonzero(as_tuple=True))
 
 
+@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention function: query ``[B, H, Sq, D]``, key/value ``[B, KVH, Skv, D]``; out ``[B, Sq, H, D]``.
     """
     batch, _, len_q, _ = query.shape
     len_kv = key.shape[2]
-    why = _cannot_serve(module, dropout, kwargs, len_kv)
-    if why is None and attention_mask is not None and attention_mask.dim() != 2:
-        why = f"a {attention_mask.dim()}D attention mask (attnsel registers a 2D padding mask)"
-    if why is not None:
-        _log_once(why)
-        return _torch_dense(query, key, value, attention_mask, scaling, kwargs.get("sliding_window")), None
-    sel = _module_selection(module, query, scaling, DENSE_PAGE_SIZE)
-    plan = _dense_steps.get(getattr(module, "layer_idx", None), (batch, len_q, len_kv, sel.prefill, sel.decode),
+    window = kwargs.get("sliding_window")
+    mask_window = getattr(attention_mask, "_attnsel_window", window)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window,
+                               "a 4D attention mask (a custom mask, or a mask pattern attnsel does not serve: chunked, "
+                               "packed sequences, bidirectional, overlays)")
+    if attention_mask is not None and (attention_mask.dim() != 2 or not len_q <= attention_mask.shape[1] <= len_kv):
+        raise ValueError(f"{NAME}: attention mask of shape {list(attention_mask.shape)} for {len_q} queries and "
+                         f"{len_kv} keys; expected [batch, n] with {len_q} <= n <= {len_kv}")
+    if mask_window != window:
+        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, mask_window,
+                               f"the mask's sliding window ({mask_window}) differs from the layer's ({window})")
+    page_size = _page_size_override[0] or DENSE_PAGE_SIZE
+    sel, why = _call_spec(module, query, key, value, scaling, dropout, kwargs, page_size)
+    if sel is None:
+        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, why)
+    plan = _dense_steps.get(getattr(module, "layer_idx", None),
+                            (id(attention_mask), batch, len_q, len_kv, id(sel)),
                             lambda: _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device),
                             query.device)
+    if plan.why:
+        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, plan.why)
+    features = _run_inputs(kwargs)
     k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Skv, KVH, D] views
     if plan.decode:
         rows, pos = plan.k_index
         kvh, d = k.shape[2:]
         k_pages = k[rows, pos].view(-1, sel.spec.page_size, kvh, d)
         v_pages = v[rows, pos].view(-1, sel.spec.page_size, kvh, d)
-        out = plan.run(query[:, :, 0].contiguous(), k_pages, v_pages)
+        out = plan.run(query[:, :, 0].contiguous(), k_pages, v_pages, **features)
         return out[:, None], None
     q_rows, q_pos = plan.q_index
     k_rows, k_pos = plan.k_index
-    packed = plan.run(query.transpose(1, 2)[q_rows, q_pos], k[k_rows, k_pos], v[k_rows, k_pos])
+    packed = plan.run(query.transpose(1, 2)[q_rows, q_pos], k[k_rows, k_pos], v[k_rows, k_pos], **features)
     out = query.new_zeros(batch, len_q, query.shape[1], query.shape[3])
     out[q_rows, q_pos] = packed
     return out, None
 
 
-def _torch_dense(query, key, value, mask2d, scaling, window) -> torch.Tensor:
-    """The torch backend on the dense layout: bottom-right causal, padding and sliding-window mask."""
-    len_q, len_kv = query.shape[2], key.shape[2]
-    q_pos = torch.arange(len_kv - len_q, len_kv, device=query.device)[:, None]
-    k_pos = torch.arange(len_kv, device=query.device)[None, :]
-    keep = k_pos <= q_pos
-    if window:
-        keep = keep & (k_pos > q_pos - window)
-    keep = keep[None, None]
-    if mask2d is not None:
-        keep = keep & mask2d.bool()[:, None, None, :] if mask2d.dim() == 2 else keep & mask2d.bool()
-    keep = keep | ~keep.any(-1, keepdim=True)  # fully padded query rows: any finite output, ignored by the model
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return sdpa(query, key, value, scale, mask=keep).transpose(1, 2)
-
-
 # --- paged path (continuous batching, transformers 5.17) ------------------------------------------------------------
 
-def paged_page_table(read_index: torch.Tensor, cu_k: torch.Tensor, block_size: int) -> tuple:
+def paged_page_table(read_index: torch.Tensor, cu_k: torch.Tensor, block_size: int,
+                     max_len: int | None = None) -> tuple:
     """(page_table, seq_lens) of a decode step from transformers' read index: sequence i reads slots
-    ``read_index[cu_k[i]:cu_k[i+1]]``, which lie block by block in its pages."""
+    ``read_index[cu_k[i]:cu_k[i+1]]``, which lie block by block in its pages. Columns past a sequence's pages hold
+    page 0 (a page that exists: harmless to any backend)."""
     lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-    max_pages = max(1, math.ceil(int(lens.max()) / block_size))
+    longest = int(lens.max()) if max_len is None else max_len
+    max_pages = max(1, math.ceil(longest / block_size))
     offsets = cu_k[:-1, None].long() + torch.arange(max_pages, device=cu_k.device)[None, :] * block_size
     valid = offsets < cu_k[1:, None].long()
     slots = read_index[offsets.clamp(max=read_index.numel() - 1)]
@@ -268,45 +490,74 @@ def paged_page_table(read_index: torch.Tensor, cu_k: torch.Tensor, block_size: i
     return page_table, lens
 
 
+def _paged_fallback(module, query, key, value, cache, cu_q, cu_k, read_index, write_index, cache_window, scaling,
+                    dropout, kwargs, reason):
+    """The call computed by transformers: the keys ``cache.update`` gathers, the float mask continuous batching's
+    own ``build_attention_mask`` makes for paged|eager and paged|sdpa, then transformers' SDPA or the model's
+    eager attention (which, unlike paged|sdpa, honours sinks and softcap)."""
+    from transformers.generation.continuous_batching.utils import build_attention_mask
+
+    _fall_back(f"{reason} (paged)")
+    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
+                        write_index=write_index)
+    mask = torch.full((1, 1, query.shape[2], k.shape[0]), torch.finfo(query.dtype).min, dtype=query.dtype,
+                      device=query.device)
+    build_attention_mask(mask, cu_q.tolist(), cu_k.tolist(), sliding_window=cache_window)
+    model_kwargs = {n: val for n, val in kwargs.items() if n not in _PAGED}
+    fn, _ = _transformers_attention(module, model_kwargs)
+    return fn(module, query, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scaling=scaling,
+              dropout=dropout, **model_kwargs)
+
+
+@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, read_index=None, write_index=None,
-                            scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+                            scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Continuous-batching attention: query ``[1, H, T, D]`` packed, key/value the new tokens; out ``[1, T, H, D]``."""
     if cache is None:
         raise ValueError(f"{PAGED_NAME} was called without a paged attention cache: load the model with "
                          f"attn_implementation='{NAME}' for plain forward/generate calls")
+    if kwargs.get("block_table") is not None:
+        raise ValueError(f"{PAGED_NAME} got a block_table (transformers' flash decode fast path); attnsel reads the "
+                         "cache through read_index/write_index: turn the fast path off (max_blocks_per_request=0)")
+    cache_window = cache.sliding_windows[module.layer_idx]  # 1: a full-attention layer group
+    layer_type = "sliding_attention" if cache_window > 1 else "full_attention"
     if isinstance(cu_seq_lens_k, dict):
-        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k["full_attention"], max_seqlen_k["full_attention"]
-    # Sliding layers keep their own cache group and lengths: always transformers' paged sdpa for them.
-    why = _cannot_serve(module, dropout, kwargs, longest_kv=1 << 62)
-    if why is not None:
-        from transformers.integrations.sdpa_paged import sdpa_attention_paged_forward
-
-        _log_once(f"{why} (paged: transformers' paged sdpa)")
-        return sdpa_attention_paged_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                            scaling=scaling, cache=cache, read_index=read_index,
-                                            write_index=write_index, **kwargs)
+        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
     group, layer_in_group = cache.layer_index_to_group_indices[module.layer_idx]
     block = cache.block_size
-    sel = _module_selection(module, query, scaling, block)
+    window = kwargs.get("sliding_window")
+    sel, why = _call_spec(module, query, key, value, scaling, dropout, kwargs, block, plumbing=_PAGED)
+    if sel is not None and (window or 1) != cache_window:
+        sel, why = None, f"the layer's sliding window ({window}) differs from its paged cache group's ({cache_window})"
+    if sel is None:
+        return _paged_fallback(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k, read_index,
+                               write_index, cache_window, scaling, dropout, kwargs, why)
+    features = _run_inputs(kwargs)
     tokens = query.shape[2]
     batch = cu_seq_lens_q.numel() - 1
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
-    if max_seqlen_q == 1 and tokens == batch and read_index[group].numel() > 0:
+    if cache_window == 1 and max_seqlen_q == 1 and tokens == batch and read_index[group].numel() > 0:
         k_cache, v_cache = cache.key_cache[layer_in_group], cache.value_cache[layer_in_group]
         k_cache.index_copy_(0, write_index[group], key[0].transpose(0, 1))
         v_cache.index_copy_(0, write_index[group], value[0].transpose(0, 1))
-        run = _paged_steps.get(module.layer_idx, ("decode", group, sel.decode),
-                               lambda: sel.plan_decode(*paged_page_table(read_index[group], cu_seq_lens_k, block)),
-                               query.device)
+
+        def plan_decode():
+            page_table, lens = paged_page_table(read_index[group], cu_seq_lens_k, block, int(max_seqlen_k))
+            return sel.plan_decode(page_table, lens, **_plan_args(sel.plan_decode, max_seq_len=int(max_seqlen_k)))
+
+        run = _paged_steps.get(module.layer_idx, ("decode", group, id(sel)), plan_decode, query.device)
         kvh, d = k_cache.shape[-2:]
-        out = run(q, k_cache.view(-1, block, kvh, d), v_cache.view(-1, block, kvh, d))
+        out = run(q, k_cache.view(-1, block, kvh, d), v_cache.view(-1, block, kvh, d), **features)
         return out[None], None
     k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
                         write_index=write_index)
-    run = _paged_steps.get(module.layer_idx, ("prefill", group, sel.prefill),
-                           lambda: sel.plan_prefill(cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
-                                                    int(max_seqlen_q), int(max_seqlen_k)),
-                           query.device)
-    return run(q, k.contiguous(), v.contiguous())[None], None
+    run = _paged_steps.get(
+        module.layer_idx, ("prefill", group, layer_type, id(sel)),
+        lambda: sel.plan_prefill(cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_seqlen_q),
+                                 int(max_seqlen_k),
+                                 **_plan_args(sel.plan_prefill, total_q=tokens, total_k=k.shape[0])),
+        query.device)
+    return run(q, k.contiguous(), v.contiguous(), **features)[None], None
