@@ -191,11 +191,11 @@ def test_features_map_onto_the_spec(monkeypatch):
     q, k, v, cu_q, cu_k = ragged([3], [3], 4, 2, 16, torch.bfloat16)
     sinks = torch.zeros(4)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, window_size=(7, 7), softcap=30.0,
-                                   sinks=sinks, softmax_scale=0.125)
+                                   sinks=sinks, softmax_scale=0.25)
     spec = rec.specs[-1]
     assert (spec.sliding_window, spec.softcap, spec.sinks, spec.causal) == (8, 30.0, True, True)
     assert (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.dtype) == (4, 2, 16, "bf16")
-    assert spec.softmax_scale is None  # 0.125 == 16 ** -0.5: the default
+    assert spec.softmax_scale is None  # 0.25 == 16 ** -0.5: the default
     assert rec.kwargs[-1]["sinks"] is sinks
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, window_size=(-1, 0))
     assert rec.specs[-1].sliding_window is None and rec.specs[-1].softcap is None and not rec.specs[-1].sinks
