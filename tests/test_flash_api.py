@@ -98,12 +98,12 @@ def test_plan_reused_within_step_and_remade_after_a_write(monkeypatch):
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     q, k, v, cu_q, cu_k = ragged([4, 4], [4, 4], 2, 2, 8, torch.float32, seed=2)
-    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4, causal=True)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
     plan = flash_api._plans[next(iter(flash_api._plans))][4]
-    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4, causal=True)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
     assert flash_api._plans[next(iter(flash_api._plans))][4] is plan
     cu_q[1], cu_k[1] = 2, 2  # same tensors, new lengths [2, 6]
-    out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, causal=True)
+    out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)  # same host bounds
     ref = reference(q.cpu(), k.cpu(), v.cpu(), [2, 6], [2, 6], 8 ** -0.5)
     assert (out.cpu() - ref).abs().max().item() < 1e-5
 
