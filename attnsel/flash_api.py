@@ -68,7 +68,7 @@ def reset() -> None:
 
 def selection_for(spec: AttentionSpec, device: torch.device | str) -> Selection:
     """The Selection these functions use for a spec on a device; made on first use and kept for the process."""
-    key = (spec, str(device))
+    key = (spec, device)
     sel = _selections.get(key)
     if sel is None:
         opts = {"prefill": os.environ.get(ENV_PREFILL, "auto"), "decode": os.environ.get(ENV_DECODE, "auto"),
@@ -79,7 +79,7 @@ def selection_for(spec: AttentionSpec, device: torch.device | str) -> Selection:
         sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
         log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
         _selections[key] = sel
-    return sel
+    return sel  # keyed by the device object as given (str or torch.device): no str() per call
 
 
 def _unsupported(func: str, given: dict) -> None:
@@ -109,13 +109,14 @@ def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int
     return window, (float(softcap) if softcap > 0 else None)
 
 
-def _spec(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size: int, softmax_scale, causal: bool,
-          window: int | None, softcap: float | None, sinks: bool) -> AttentionSpec:
-    """The AttentionSpec of the call (memoised on the cheap facts it is made from)."""
+def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size: int, softmax_scale, causal: bool,
+             window: int | None, softcap: float | None, sinks: bool) -> tuple[AttentionSpec, Selection]:
+    """The AttentionSpec of the call and its Selection, memoised on the cheap facts they are made from (hashing a
+    spec per call would cost a microsecond)."""
     key = (q.dtype, kv_dtype, q.shape[-2], k.shape[-2], q.shape[-1], page_size, softmax_scale, causal, window,
-           softcap, sinks)
-    spec = _specs.get(key)
-    if spec is None:
+           softcap, sinks, q.device)
+    found = _specs.get(key)
+    if found is None:
         head_dim = q.shape[-1]
         scale = None
         if softmax_scale is not None and not math.isclose(softmax_scale, head_dim ** -0.5, rel_tol=1e-6):
@@ -131,24 +132,25 @@ def _spec(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size: in
         spec = AttentionSpec(num_q_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=head_dim,
                              dtype=dtype_name(q.dtype), page_size=page_size, causal=causal, softmax_scale=scale,
                              sliding_window=window, softcap=softcap, sinks=sinks, kv_dtype=kv_name)
-        _specs[key] = spec
-    return spec
+        found = _specs[key] = (spec, selection_for(spec, q.device))
+    return found
 
 
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _cached_plan(slot, tensors: tuple, host: tuple, capturing: bool, make):
-    """The plan stored for ``slot`` if it was made (outside capture) from these very tensors at their current
-    versions and these host values; else make one and store it (holding the tensors keeps their ids unique)."""
-    versions = tuple(t._version for t in tensors)
+def _cached_plan(slot, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool, make):
+    """The plan stored for ``slot`` if it was made (outside capture) from these very metadata tensors a, b at their
+    current versions and these host values; else make one and store it (holding the tensors keeps their ids
+    unique)."""
+    versions = (a._version, b._version)
     entry = _plans.get(slot)
-    if (not capturing and entry is not None and entry[3] is False and entry[1] == versions and entry[2] == host
-            and all(a is b for a, b in zip(entry[0], tensors))):
-        return entry[4]
+    if (not capturing and entry is not None and entry[0] is a and entry[1] is b and entry[2] == versions
+            and entry[3] == host and entry[4] is False):
+        return entry[5]
     plan = make()
-    _plans[slot] = (tensors, versions, host, capturing, plan)
+    _plans[slot] = (a, b, versions, host, capturing, plan)
     return plan
 
 
@@ -191,13 +193,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"attnsel.flash_attn_varlen_func: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    window, cap = _features("flash_attn_varlen_func", causal, window_size, softcap)
-    spec = _spec(q, k, k.dtype, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window, cap, sinks is not None)
-    sel = selection_for(spec, q.device)
+    window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(
+        "flash_attn_varlen_func", causal, window_size, softcap)
+    spec, sel = _resolve(q, k, k.dtype, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window, cap,
+                         sinks is not None)
     host = (int(max_seqlen_q), int(max_seqlen_k), q.shape[0], k.shape[0])
     hints = {n: x for n, x in (("total_q", host[2]), ("total_k", host[3])) if n in _PREFILL_HINTS}
-    run = _cached_plan(("prefill", spec, q.device), (cu_seqlens_q, cu_seqlens_k), host, _capturing(q),
+    run = _cached_plan(("prefill", spec, q.device), cu_seqlens_q, cu_seqlens_k, host, _capturing(q),
                        lambda: sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], **hints))
+    if sinks is None:
+        return run(q, k, v)
     return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, q.shape[1]))
 
 
@@ -271,10 +276,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         raise UnsupportedArgument(f"attnsel.{func}: k and v must be [batch, 1, kv_heads, head_dim] = "
                                   f"[{batch}, 1, {k_cache.shape[2]}, {k_cache.shape[3]}] (one new token per "
                                   f"sequence), got {tuple(k.shape)} and {tuple(v.shape)}")
-    window, cap = _features(func, causal, window_size, softcap)
+    window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(func, causal,
+                                                                                              window_size, softcap)
     # One query token: causal or not is the same attention; the spec says causal so that one selection serves both.
-    spec = _spec(q, k_cache, k_cache.dtype, page_size, softmax_scale, True, window, cap, sinks is not None)
-    sel = selection_for(spec, q.device)
+    spec, sel = _resolve(q, k_cache, k_cache.dtype, page_size, softmax_scale, True, window, cap, sinks is not None)
     append = k is not None
     host = (append, page_table.shape[1])
 
@@ -289,10 +294,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         hints = {"max_seq_len": page_table.shape[1] * page_size} if _DECODE_HINTS else {}
         return slots, sel.plan_decode(page_table, lens, **hints)
 
-    slots, run = _cached_plan(("decode", spec, q.device), (cache_seqlens, page_table), host, _capturing(q), make)
+    slots, run = _cached_plan(("decode", spec, q.device), cache_seqlens, page_table, host, _capturing(q), make)
     if append:
         kvh, d = k_cache.shape[2:]
         k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
         v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
-    out = run(q[:, 0], k_cache, v_cache, **_sinks_kwargs(func, sinks, q.shape[2]), **scales)
-    return out.unsqueeze(1)
+    if sinks is None and not scales:
+        return run(q[:, 0], k_cache, v_cache).unsqueeze(1)
+    return run(q[:, 0], k_cache, v_cache, **_sinks_kwargs(func, sinks, q.shape[2]), **scales).unsqueeze(1)

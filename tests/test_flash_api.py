@@ -79,7 +79,7 @@ def test_varlen_matches_reference_gqa(monkeypatch, backend, dtype, tol):
     ref = reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), LENS_Q, LENS_K, 16 ** -0.5)
     err = (out.float().cpu() - ref).abs().max().item()
     assert err < tol, err
-    sel = flash_api.selection_for(flash_api._specs[next(iter(flash_api._specs))], q.device)
+    sel = next(iter(flash_api._specs.values()))[1]
     assert sel.prefill == backend
 
 
@@ -99,9 +99,9 @@ def test_plan_reused_within_step_and_remade_after_a_write(monkeypatch):
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     q, k, v, cu_q, cu_k = ragged([4, 4], [4, 4], 2, 2, 8, torch.float32, seed=2)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
-    plan = flash_api._plans[next(iter(flash_api._plans))][4]
+    plan = flash_api._plans[next(iter(flash_api._plans))][-1]
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
-    assert flash_api._plans[next(iter(flash_api._plans))][4] is plan
+    assert flash_api._plans[next(iter(flash_api._plans))][-1] is plan
     cu_q[1], cu_k[1] = 2, 2  # same tensors, new lengths [2, 6]
     out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)  # same host bounds
     ref = reference(q.cpu(), k.cpu(), v.cpu(), [2, 6], [2, 6], 8 ** -0.5)
