@@ -1,4 +1,5 @@
-"""`attnsel report | select | bench | cache`: exit 0 on success, 2 for bad input, 3 when a phase cannot be served."""
+"""`attnsel report | select | bench | cache | serve`: exit 0 on success, 2 for bad input, 3 when a phase cannot be
+served."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from . import backends
+from . import backends, serve
 from .backends import UnknownBackendError
 from .cache import ResultCache
 from .selection import AUTO, MODES, POLICIES, Selection, SelectionError, select
@@ -218,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("show", "path", "clear"))
     add_cache_dir_arg(p)
     p.set_defaults(func=cmd_cache)
+    p = sub.add_parser("serve", help="serve a model with transformers' OpenAI-compatible server on attnsel")
+    serve.add_serve_args(p)
+    add_selection_args(p)
+    p.set_defaults(func=serve.cmd_serve)
     return parser
 
 
