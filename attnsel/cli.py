@@ -1,5 +1,5 @@
-"""`attnsel report | select | bench | cache`: exit 0 on success, 2 for bad input, 3 when a phase cannot be served
-(or `bench` finds no CUDA device)."""
+"""`attnsel report | select | bench | cache | serve`: exit 0 on success, 2 for bad input, 3 when a phase cannot be
+served (or `bench` finds no CUDA device)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__, backends
+from . import __version__, backends, serve
 from .backends import UnknownBackendError
 from .cache import ResultCache
 from .selection import AUTO, MODES, POLICIES, Selection, SelectionError, select
@@ -466,6 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("show", "path", "clear"))
     add_cache_dir_arg(p)
     p.set_defaults(func=cmd_cache)
+    p = sub.add_parser("serve", help="serve a model with transformers' OpenAI-compatible server on attnsel")
+    serve.add_serve_args(p)
+    add_selection_args(p)
+    p.set_defaults(func=serve.cmd_serve)
     for p in sub.choices.values():  # -q after the subcommand too (SUPPRESS: absent there keeps the main default)
         p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
                        help="only warnings and errors on stderr")

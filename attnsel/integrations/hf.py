@@ -104,8 +104,12 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     if reason is None:
         AttentionInterface.register(PAGED_NAME, paged_attention_forward)
         names.append(PAGED_NAME)
-    else:
-        log.warning("attnsel: %s registered; %s not registered: %s", NAME, PAGED_NAME, reason)
+    else:  # transformers >= 5.19: continuous batching through the flash-named route (hf_kernels)
+        from . import hf_kernels
+
+        log.warning("attnsel: %s not registered: %s; use %s for continuous batching", PAGED_NAME, reason,
+                    hf_kernels.NAME)
+        names += hf_kernels.register(prefill, decode, **select_options)
     return names
 
 

@@ -1,0 +1,304 @@
+"""FlashAttention-3-compatible entry points: ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``.
+
+Same argument names, defaults, layouts and return values as FA3's ``flash_attn_interface`` for what attnsel serves;
+any other argument given a value other than its default raises ``UnsupportedArgument`` naming it (never ignored).
+Mapped onto the spec: ``window_size`` -> ``sliding_window`` (causal only: ``(left, right)`` means ``left + 1`` keys,
+the right side is closed by causality as in FA3), ``softcap`` -> ``softcap``, ``sinks`` -> ``sinks``, an fp8 e4m3
+paged cache with ``k_descale``/``v_descale`` (one element each) -> ``kv_dtype="fp8_e4m3"``.
+
+The spec is inferred from the tensors; the backend selection runs once per (spec, device) in this process (same rules
+and persistent cache as ``attnsel.select``; ``$ATTNSEL_PREFILL_BACKEND`` / ``$ATTNSEL_DECODE_BACKEND`` or
+``configure()`` choose explicit backends). A call plans on the selected backend and runs; the plan is reused while
+the metadata tensors (cu_seqlens, or cache_seqlens and page_table) are the same tensor objects at the same version
+counter and the host sizes are equal, so the layers of one step share one plan. Rewriting metadata in a way torch does
+not count (numpy views, DLPack, ``.data``) needs ``reset()``.
+
+CUDA graphs: the first call of a spec selects (outside capture). During capture every call plans afresh (a plan made
+outside the capture would replay stale device metadata) and plans get host bounds instead of device values
+(``page_table.shape[1] * page_size`` for the longest context, ``q.shape[0]`` for the tokens) when the installed
+``Selection`` accepts them; the backend's plan itself must not sync (the torch backend's does: it is a CPU fallback).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+
+import torch
+
+from .selection import Selection, select
+from .spec import AttentionSpec, SpecError, dtype_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PAGE_SIZE = 16  # page_size of the spec used for varlen calls (they have no pages)
+ENV_PREFILL, ENV_DECODE = "ATTNSEL_PREFILL_BACKEND", "ATTNSEL_DECODE_BACKEND"
+
+
+class UnsupportedArgument(ValueError):
+    """A FlashAttention argument attnsel does not serve was given a value other than its default."""
+
+
+_options: dict = {}
+_selections: dict = {}
+_specs: dict = {}
+_plans: dict = {}
+# Host-size hints of Selection.plan_* (issue 10): passed only where this version of Selection accepts them.
+_PREFILL_HINTS = {"total_q", "total_k"} & set(inspect.signature(Selection.plan_prefill).parameters)
+_DECODE_HINTS = {"max_seq_len"} & set(inspect.signature(Selection.plan_decode).parameters)
+
+
+def configure(prefill: str | None = None, decode: str | None = None, **select_options) -> None:
+    """Options of the selection these functions run (``attnsel.select``'s: policy, mode, priorities, timeout,
+    cache_dir, use_cache); prefill/decode: "auto" or a backend name (default: the environment, else auto).
+    Forgets earlier selections and plans."""
+    _options.clear()
+    _options.update(select_options)
+    _options.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None})
+    reset()
+
+
+def reset() -> None:
+    """Forget selections and plans (the persistent result cache stays)."""
+    _selections.clear()
+    _specs.clear()
+    _plans.clear()
+
+
+def selection_for(spec: AttentionSpec, device: torch.device | str) -> Selection:
+    """The Selection these functions use for a spec on a device; made on first use and kept for the process."""
+    key = (spec, device)
+    sel = _selections.get(key)
+    if sel is None:
+        opts = {"prefill": os.environ.get(ENV_PREFILL, "auto"), "decode": os.environ.get(ENV_DECODE, "auto"),
+                **_options}
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"attnsel: the first call for {spec.describe()} happened during CUDA graph capture; "
+                               "call once outside capture first (selection runs a validation worker)")
+        sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
+        log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
+        _selections[key] = sel
+    return sel  # keyed by the device object as given (str or torch.device): no str() per call
+
+
+def _unsupported(func: str, given: dict) -> None:
+    names = ", ".join(f"{k}={_show(v)}" for k, v in given.items())
+    raise UnsupportedArgument(f"attnsel.{func}: {names}: not supported by attnsel (leave at FlashAttention's default)")
+
+
+def _show(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    return repr(value)
+
+
+def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int | None, float | None]:
+    """(sliding_window, softcap) of the spec from FlashAttention's window_size and softcap."""
+    left, right = window_size
+    window = None
+    if (left, right) != (-1, -1):
+        if not causal:
+            _unsupported(func, {"window_size": window_size, "causal": causal})  # local non-causal attention
+        if left < 0:  # (-1, r) with causal: plain causal attention
+            window = None
+        else:
+            window = int(left) + 1
+    if softcap < 0:
+        raise ValueError(f"attnsel.{func}: softcap must be >= 0 (0 disables it), got {softcap!r}")
+    return window, (float(softcap) if softcap > 0 else None)
+
+
+def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size: int, softmax_scale, causal: bool,
+             window: int | None, softcap: float | None, sinks: bool) -> tuple[AttentionSpec, Selection]:
+    """The AttentionSpec of the call and its Selection, memoised on the cheap facts they are made from (hashing a
+    spec per call would cost a microsecond)."""
+    key = (q.dtype, kv_dtype, q.shape[-2], k.shape[-2], q.shape[-1], page_size, softmax_scale, causal, window,
+           softcap, sinks, q.device)
+    found = _specs.get(key)
+    if found is None:
+        head_dim = q.shape[-1]
+        scale = None
+        if softmax_scale is not None and not math.isclose(softmax_scale, head_dim ** -0.5, rel_tol=1e-6):
+            scale = float(softmax_scale)
+        kv_name = None
+        if kv_dtype != q.dtype:
+            if kv_dtype != torch.float8_e4m3fn:
+                raise SpecError(f"the KV cache's dtype {kv_dtype} differs from q's {q.dtype}; allowed: the same "
+                                "dtype, or torch.float8_e4m3fn with k_descale/v_descale")
+            kv_name = "fp8_e4m3"
+        if k.shape[-1] != head_dim:
+            raise SpecError(f"q has head_dim {head_dim} but k has {k.shape[-1]} (they must be equal)")
+        spec = AttentionSpec(num_q_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=head_dim,
+                             dtype=dtype_name(q.dtype), page_size=page_size, causal=causal, softmax_scale=scale,
+                             sliding_window=window, softcap=softcap, sinks=sinks, kv_dtype=kv_name)
+        found = _specs[key] = (spec, selection_for(spec, q.device))
+    return found
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _cached_plan(slot, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool, make):
+    """The plan stored for ``slot`` if it was made (outside capture) from these very metadata tensors a, b at their
+    current versions and these host values; else make one and store it (holding the tensors keeps their ids
+    unique)."""
+    versions = (a._version, b._version)
+    entry = _plans.get(slot)
+    if (not capturing and entry is not None and entry[0] is a and entry[1] is b and entry[2] == versions
+            and entry[3] == host and entry[4] is False):
+        return entry[5]
+    plan = make()
+    _plans[slot] = (a, b, versions, host, capturing, plan)
+    return plan
+
+
+def _sinks_kwargs(func: str, sinks: torch.Tensor | None, heads: int) -> dict:
+    if sinks is None:
+        return {}
+    if sinks.shape != (heads,):
+        raise ValueError(f"attnsel.{func}: sinks must have shape ({heads},) (one per query head), got "
+                         f"{tuple(sinks.shape)}")
+    return {"sinks": sinks if sinks.dtype == torch.float32 else sinks.float()}
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                           v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, sinks=None):
+    """Ragged attention, FA3's signature: q ``[total_q, H, D]``, k/v ``[total_k, KVH, D]`` (bf16/fp16/fp32),
+    cu_seqlens_q/k int32 ``[batch + 1]`` on q's device, max_seqlen_q/k host ints (upper bounds are fine).
+    Causal masking is bottom-right aligned (sequences with fewer queries than keys). Returns out ``[total_q, H, D]``.
+    Not served (UnsupportedArgument when not default): seqused_q/k, qv, q/k/v_descale, attention_chunk, num_splits,
+    pack_gqa, deterministic, sm_margin, return_attn_probs."""
+    if (seqused_q is not None or seqused_k is not None or qv is not None or q_descale is not None
+            or k_descale is not None or v_descale is not None or attention_chunk != 0 or num_splits != 1
+            or pack_gqa is not None or deterministic or sm_margin != 0 or return_attn_probs):
+        given = dict(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
+                     v_descale=v_descale)
+        given = {n: x for n, x in given.items() if x is not None}
+        given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0), ("num_splits", num_splits, 1),
+                                           ("pack_gqa", pack_gqa, None), ("deterministic", deterministic, False),
+                                           ("sm_margin", sm_margin, 0), ("return_attn_probs", return_attn_probs, False))
+                      if x != d})
+        _unsupported("flash_attn_varlen_func", given)
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
+        raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be int32, got "
+                         f"{cu_seqlens_q.dtype}/{cu_seqlens_k.dtype}")
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"attnsel.flash_attn_varlen_func: q must be [total_q, heads, head_dim] and k, v "
+                         f"[total_k, kv_heads, head_dim] alike; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"attnsel.flash_attn_varlen_func: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(
+        "flash_attn_varlen_func", causal, window_size, softcap)
+    spec, sel = _resolve(q, k, k.dtype, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window, cap,
+                         sinks is not None)
+    host = (int(max_seqlen_q), int(max_seqlen_k), q.shape[0], k.shape[0])
+    hints = {n: x for n, x in (("total_q", host[2]), ("total_k", host[3])) if n in _PREFILL_HINTS}
+    run = _cached_plan(("prefill", spec, q.device), cu_seqlens_q, cu_seqlens_k, host, _capturing(q),
+                       lambda: sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], **hints))
+    if sinks is None:
+        return run(q, k, v)
+    return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, q.shape[1]))
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False, sinks=None):
+    """Paged decode, FA3's signature: q ``[batch, 1, H, D]``; k_cache/v_cache ``[num_pages, page_size, KVH, D]``
+    (q's dtype, or float8_e4m3fn with one-element float32 k_descale/v_descale); page_table int32
+    ``[batch, max_pages]``; cache_seqlens int32 ``[batch]`` (or an int): tokens already in the cache. With k/v
+    ``[batch, 1, KVH, D]`` the new token is written into the cache at position cache_seqlens (in place, as FA3
+    does) and attended to; without them the query attends to the first cache_seqlens tokens. Returns out
+    ``[batch, 1, H, D]``. ``causal`` has no effect with one query token. Not served (UnsupportedArgument when not
+    default): qv, rotary_cos/sin/seqlens, cache_batch_idx, cache_leftpad, cu_seqlens_q, cu_seqlens_k_new, q_descale,
+    attention_chunk, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse;
+    a cache without page_table; more than one query or new token per sequence."""
+    if (qv is not None or rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
+            or cache_leftpad is not None or cu_seqlens_q is not None or cu_seqlens_k_new is not None
+            or rotary_seqlens is not None or q_descale is not None or attention_chunk != 0 or not rotary_interleaved
+            or scheduler_metadata is not None or num_splits != 0 or pack_gqa is not None or sm_margin != 0
+            or return_softmax_lse):
+        given = dict(qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                     cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
+                     rotary_seqlens=rotary_seqlens, q_descale=q_descale, scheduler_metadata=scheduler_metadata)
+        given = {n: x for n, x in given.items() if x is not None}
+        given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0),
+                                           ("rotary_interleaved", rotary_interleaved, True),
+                                           ("num_splits", num_splits, 0), ("pack_gqa", pack_gqa, None),
+                                           ("sm_margin", sm_margin, 0),
+                                           ("return_softmax_lse", return_softmax_lse, False)) if x != d})
+        _unsupported("flash_attn_with_kvcache", given)
+    func = "flash_attn_with_kvcache"
+    if page_table is None:
+        _unsupported(func, {"page_table": None})  # a contiguous [batch, seqlen] cache: not served
+    if cache_seqlens is None:
+        raise ValueError(f"attnsel.{func}: cache_seqlens is required (tokens already in each sequence's cache)")
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise UnsupportedArgument(f"attnsel.{func}: q must be [batch, 1, heads, head_dim] (one query token per "
+                                  f"sequence), got {tuple(q.shape)}; use flash_attn_varlen_func for more")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"attnsel.{func}: k_cache and v_cache must both be [num_pages, page_size, kv_heads, "
+                         f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != q.shape[0]:
+        raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {q.shape[0]}, got "
+                         f"{page_table.dtype} {tuple(page_table.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError(f"attnsel.{func}: give both k and v (new tokens) or neither")
+    batch, page_size = q.shape[0], k_cache.shape[1]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
+    elif cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+        raise ValueError(f"attnsel.{func}: cache_seqlens must be an int or int32 [{batch}], got "
+                         f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    scales = {}
+    if k_cache.dtype != q.dtype:
+        if k_descale is None or v_descale is None or k_descale.numel() != 1 or v_descale.numel() != 1:
+            raise UnsupportedArgument(
+                f"attnsel.{func}: an {k_cache.dtype} cache needs k_descale and v_descale of one element each "
+                f"(per-tensor scales); got k_descale={_show(k_descale)}, v_descale={_show(v_descale)}")
+        if k is not None:
+            _unsupported(func, {"k": k, "v": v})  # quantising new tokens into an fp8 cache: write them yourself
+        scales = {"k_scale": k_descale.reshape(1).float(), "v_scale": v_descale.reshape(1).float()}
+    elif k_descale is not None or v_descale is not None:
+        _unsupported(func, {n: x for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None})
+    if k is not None and (k.dtype != k_cache.dtype or v.dtype != k_cache.dtype):
+        raise ValueError(f"attnsel.{func}: k/v ({k.dtype}/{v.dtype}) must have the cache's dtype {k_cache.dtype}")
+    if k is not None and (k.shape != (batch, 1, k_cache.shape[2], k_cache.shape[3]) or v.shape != k.shape):
+        raise UnsupportedArgument(f"attnsel.{func}: k and v must be [batch, 1, kv_heads, head_dim] = "
+                                  f"[{batch}, 1, {k_cache.shape[2]}, {k_cache.shape[3]}] (one new token per "
+                                  f"sequence), got {tuple(k.shape)} and {tuple(v.shape)}")
+    window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(func, causal,
+                                                                                              window_size, softcap)
+    # One query token: causal or not is the same attention; the spec says causal so that one selection serves both.
+    spec, sel = _resolve(q, k_cache, k_cache.dtype, page_size, softmax_scale, True, window, cap, sinks is not None)
+    append = k is not None
+    host = (append, page_table.shape[1])
+
+    def make():
+        if append:
+            pos = cache_seqlens.long()
+            page = page_table.gather(1, (pos // page_size)[:, None].clamp(max=page_table.shape[1] - 1))[:, 0]
+            slots = page.long() * page_size + pos % page_size
+            lens = cache_seqlens + 1
+        else:
+            slots, lens = None, cache_seqlens
+        hints = {"max_seq_len": page_table.shape[1] * page_size} if _DECODE_HINTS else {}
+        return slots, sel.plan_decode(page_table, lens, **hints)
+
+    slots, run = _cached_plan(("decode", spec, q.device), cache_seqlens, page_table, host, _capturing(q), make)
+    if append:
+        kvh, d = k_cache.shape[2:]
+        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
+        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
+    if sinks is None and not scales:
+        return run(q[:, 0], k_cache, v_cache).unsqueeze(1)
+    return run(q[:, 0], k_cache, v_cache, **_sinks_kwargs(func, sinks, q.shape[2]), **scales).unsqueeze(1)

@@ -1,0 +1,112 @@
+"""Continuous batching on transformers >= 5.19 (checked on 5.24): the flash-named implementation ``"attnsel_flash"``.
+
+Those versions accept only ``sdpa``, ``paged|eager``, names containing "flash", or Hub kernels for
+``generate_batch`` (custom ``paged|X`` names are refused). The Hub-kernel route needs the ``kernels`` package at
+0.18.2 to < 0.19 (5.24's bound; 5.25 pins kernels >= 0.19.1), which PyPI did not offer on 2026-12-03 (newest 0.17.2).
+So attnsel takes the flash route: ``register()`` registers transformers' own ``flash_attention_forward`` under
+``"attnsel_flash"`` and makes transformers' lazy flash-attention import return attnsel's FA3-compatible functions
+(``attnsel.flash_api``) for that name. transformers then does what it does for FlashAttention: unpads, packs the
+continuous batch, updates its paged cache, and calls ``flash_attn_varlen_func``; attnsel selects and dispatches.
+The name has no "2"/"3", so transformers' FA2/FA3-only decode fast path (``flash_attn_with_kvcache`` with its block
+table) stays off: every step, decode included, goes through the varlen call.
+
+The hook replaces ``transformers.modeling_flash_attention_utils._lazy_imports`` with a wrapper that answers for
+``"attnsel_flash"`` only and defers to the original for every other name; it checks that the function it wraps has
+the signature it knows and refuses to install otherwise, with the reason.
+
+Usage: ``attnsel.integrations.hf_kernels.register()`` (or ``attnsel.integrations.hf.register()``, which calls it on
+these versions) before ``from_pretrained(..., attn_implementation="attnsel_flash")``, then ``generate_batch``.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from .. import flash_api
+
+log = logging.getLogger(__name__)
+
+NAME = "attnsel_flash"
+_KNOWN_PARAMS = ["implementation", "attention_wrapper", "allow_all_kernels"]
+
+
+def unsupported() -> str | None:
+    """Why the flash route cannot be installed on the installed transformers, or None."""
+    try:
+        import transformers
+        from transformers import modeling_flash_attention_utils as mfau
+    except ImportError as exc:
+        return f"transformers is not importable ({exc})"
+    original = getattr(mfau._lazy_imports, "_attnsel_original", mfau._lazy_imports) \
+        if hasattr(mfau, "_lazy_imports") else None
+    if original is None:
+        return f"transformers {transformers.__version__} has no modeling_flash_attention_utils._lazy_imports"
+    params = list(inspect.signature(original).parameters)
+    if params != _KNOWN_PARAMS:
+        return (f"transformers {transformers.__version__}: _lazy_imports{tuple(params)} is not the known "
+                f"{tuple(_KNOWN_PARAMS)}")
+    return None
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False, dropout_p=0.0,
+                           s_aux=None):
+    """attnsel.flash_attn_varlen_func under the parameter names transformers probes for (it passes only the
+    features a function declares and silently drops the others, so every feature a model may use is declared here:
+    ``s_aux`` is its name for attention sinks, ``dropout_p`` is refused when non-zero)."""
+    if dropout_p:
+        raise flash_api.UnsupportedArgument(f"attnsel_flash: dropout_p={dropout_p!r}: attention dropout is not "
+                                            "supported (attnsel serves inference)")
+    return flash_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                            softcap=softcap, deterministic=deterministic, sinks=s_aux)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    deterministic=False, dropout_p=0.0, s_aux=None):
+    """Dense batch (``generate`` without padding): q ``[B, Sq, H, D]``, k/v ``[B, Sk, KVH, D]`` as one ragged batch
+    of equal lengths through the varlen call; out ``[B, Sq, H, D]``."""
+    batch, len_q, heads, dim = q.shape
+    len_k = k.shape[1]
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    out = flash_attn_varlen_func(q.reshape(-1, heads, dim), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                                 steps * len_q, steps * len_k, len_q, len_k, softmax_scale=softmax_scale,
+                                 causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic,
+                                 dropout_p=dropout_p, s_aux=s_aux)
+    return out.view(batch, len_q, heads, dim)
+
+
+def _install_lazy_import_hook() -> None:
+    from transformers import modeling_flash_attention_utils as mfau
+
+    if hasattr(mfau._lazy_imports, "_attnsel_original"):
+        return
+    original = mfau._lazy_imports
+
+    def _lazy_imports(implementation, attention_wrapper=None, allow_all_kernels=False):
+        if implementation == NAME:
+            return flash_attn_func, flash_attn_varlen_func, None, mfau._pad_input, mfau._unpad_input
+        return original(implementation, attention_wrapper, allow_all_kernels)
+
+    _lazy_imports._attnsel_original = original
+    mfau._lazy_imports = _lazy_imports
+
+
+def register(prefill: str | None = None, decode: str | None = None, **select_options) -> list[str]:
+    """Register ``"attnsel_flash"`` with transformers; returns ``[NAME]``. prefill/decode/select_options: as
+    ``attnsel.integrations.hf.register`` (they configure ``attnsel.flash_api``). RuntimeError with the reason on a
+    transformers this route does not know."""
+    reason = unsupported()
+    if reason:
+        raise RuntimeError(f"attnsel: cannot register {NAME}: {reason}")
+    from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    flash_api.configure(prefill, decode, **select_options)
+    _install_lazy_import_hook()
+    AttentionInterface.register(NAME, flash_attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    return [NAME]

@@ -1,0 +1,151 @@
+"""`attnsel serve MODEL_DIR`: transformers' own OpenAI-compatible server (``transformers serve``) on attnsel.
+
+Registers attnsel's attention with transformers in this process, runs the backend selection for the model's
+attention shape at start-up and prints it (``prefill: X, decode: Y`` and why, per candidate), then starts
+``transformers.cli.serve.Serve`` with the model preloaded. transformers' CLI would refuse the name (its
+``ModelManager`` accepts only its built-in names or Hub kernels) and could not see a registration made elsewhere, so
+the only change made to it is that check: for the duration of the start-up, ``ModelManager`` is a subclass that
+validates its other arguments as usual and lets attnsel's registered names through.
+
+Needs ``pip install 'attnsel[serve]'`` (fastapi, uvicorn, openai, pydantic: what transformers' ``is_serve_available``
+checks). Implementations: ``attnsel`` (dense ``generate``, the default), or with ``--continuous-batching``
+``paged|attnsel`` on transformers 5.17 and ``attnsel_flash`` on >= 5.19.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+
+from .selection import Selection, default_device
+
+log = logging.getLogger(__name__)
+
+SERVE_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic")
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", help="a local transformers model directory (config.json, weights, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                   help="model dtype (default: the config's torch_dtype, else fp32)")
+    p.add_argument("--continuous-batching", action="store_true",
+                   help="transformers' continuous batching (paged|attnsel on 5.17, attnsel_flash on >= 5.19)")
+
+
+def unavailable() -> str | None:
+    missing = [p for p in SERVE_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        return f"serving needs {', '.join(missing)}: pip install 'attnsel[serve]'"
+    return None
+
+
+def describe(sel: Selection) -> list[str]:
+    """LightLLM-style start-up lines: the choice per phase, then why (every candidate with its status)."""
+    lines = [f"prefill: {sel.prefill}, decode: {sel.decode}",
+             f"  for {sel.spec.describe()} on {sel.device.get('gpu') or 'cpu'} (policy {sel.policy}, mode "
+             f"{sel.mode}, cache {sel.cache})"]
+    for phase, choice in sel.phases.items():
+        lines.append(f"  {phase} ({choice.source}):")
+        for c in choice.candidates:
+            facts = []
+            if c.score_us is not None:
+                facts.append(f"{c.score_us:.1f} us")
+            if c.max_abs_err is not None and c.tolerance is not None:
+                facts.append(f"err {c.max_abs_err:.2g} <= {c.tolerance:.2g}" if c.status in ("selected", "valid")
+                             else f"err {c.max_abs_err:.2g} vs tol {c.tolerance:.2g}")
+            if c.reason:
+                facts.append(c.reason)
+            lines.append(f"    {c.name}: {c.status}" + (f" ({'; '.join(facts)})" if facts else ""))
+    return lines
+
+
+@contextlib.contextmanager
+def _accept_names(names: list[str]):
+    """transformers' ModelManager with its attention-name check widened to ``names`` (restored on exit)."""
+    from transformers.cli.serving import model_manager
+
+    base = model_manager.ModelManager
+
+    class Manager(base):
+        def _validate_args(self):
+            impl = self.attn_implementation
+            if impl in names:
+                self.attn_implementation = None  # the remaining checks as transformers does them
+            try:
+                super()._validate_args()
+            finally:
+                self.attn_implementation = impl
+
+    model_manager.ModelManager = Manager
+    try:
+        yield
+    finally:
+        model_manager.ModelManager = base
+
+
+def implementation(continuous_batching: bool, registered: list[str]) -> str:
+    from .integrations import hf
+
+    if not continuous_batching:
+        return hf.NAME
+    for name in (hf.PAGED_NAME, "attnsel_flash"):
+        if name in registered:
+            return name
+    raise ValueError(f"continuous batching: none of {hf.PAGED_NAME}, attnsel_flash could be registered with this "
+                     "transformers")
+
+
+def start_selection(model_dir: Path, impl: str, dtype: torch.dtype | None, device: str) -> Selection:
+    """Run the selection the served model's first attention call would run, now, so that it is cached."""
+    from transformers import AutoConfig
+
+    from . import flash_api
+    from .integrations import hf
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if impl == "attnsel_flash":
+        return flash_api.selection_for(hf.model_spec(config, dtype, flash_api.DEFAULT_PAGE_SIZE), dev)
+    page_size = hf.DENSE_PAGE_SIZE if impl == hf.NAME else 256  # 5.17's continuous batching: blocks of 256
+    return hf.selection_for(hf.model_spec(config, dtype, page_size), dev)
+
+
+def cmd_serve(args: argparse.Namespace, out) -> int:
+    reason = unavailable()
+    if reason:
+        raise ValueError(reason)
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir} is not a model directory (no config.json)")
+    from transformers.cli.serve import Serve
+
+    from .integrations import hf
+
+    registered = hf.register(args.prefill, args.decode, policy=args.policy, mode=args.mode,
+                             prefill_priority=args.prefill_priority, decode_priority=args.decode_priority,
+                             timeout=args.timeout, cache_dir=args.cache_dir, use_cache=not args.no_cache)
+    impl = implementation(args.continuous_batching, registered)
+    device = args.device or default_device()
+    sel = start_selection(model_dir, impl, DTYPES[args.dtype], device)
+    for line in describe(sel):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
+    out.print(f"serving {model_dir} with attn_implementation={impl} on http://{args.host}:{args.port}/v1 "
+              "(transformers serve)", markup=False, highlight=False, soft_wrap=True)
+    dtype = {None: "auto", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[
+        DTYPES[args.dtype]]
+    with _accept_names(registered):  # blocks while serving (uvicorn in this thread: Ctrl-C stops it)
+        Serve(force_model=str(model_dir), attn_implementation=impl, continuous_batching=args.continuous_batching,
+              device=device, dtype=dtype, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,140 @@
+"""`attnsel serve`: transformers' OpenAI-compatible server on attnsel, started as a real process on 127.0.0.1 with a
+tiny random model (and a tokenizer built here, no Hub), talked to with a real HTTP client."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+httpx = pytest.importorskip("httpx")
+from attnsel import serve  # noqa: E402
+
+pytestmark = pytest.mark.skipif(serve.unavailable() is not None, reason=f"{serve.unavailable()} (CI installs it)")
+
+WORDS = ["hello", "world", "how", "are", "you", "fine", "thanks", "the", "a", "cat", "sat", "on", "mat", "yes", "no"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def save_tiny_model(path) -> None:
+    """A 2-layer Llama (GQA 4/2) with random weights and a WordLevel tokenizer with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS + [f"w{i}" for i in range(100)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("served")
+    save_tiny_model(path)
+    port = free_port()
+    log = open(path / "server.log", "w+")
+    env = {**os.environ, "ATTNSEL_CACHE_DIR": str(path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "attnsel", "serve", str(path), "--port", str(port),
+                             "--prefill-backend", "torch", "--decode-backend", "torch", "--policy", "priority",
+                             "--dtype", "fp32"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"server did not answer within 240 s:\n{log.read()[-4000:]}")
+            time.sleep(0.5)
+        yield base, str(path), log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def chat(base, model, **extra):
+    body = {"model": model, "messages": [{"role": "user", "content": "hello how are you"}], "max_tokens": 6,
+            "temperature": 0, **extra}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_startup_prints_the_selection(server):
+    _, _, log = server
+    log.seek(0)
+    text = log.read()
+    assert "prefill: torch, decode: torch" in text
+    assert "prefill (explicit):" in text and "torch: selected" in text
+    assert "attn_implementation=attnsel" in text
+
+
+def test_chat_completion_stream_and_bad_request(server):
+    base, model, _ = server
+    reply = chat(base, model)
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str) and message["content"]
+
+    chunks, done = [], False
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120,
+                      json={"model": model, "messages": [{"role": "user", "content": "the cat sat"}],
+                            "max_tokens": 6, "temperature": 0, "stream": True}) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunks.append(json.loads(line[len("data: "):]))
+    assert chunks and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert done or chunks[-1]["choices"][0].get("finish_reason")
+
+    bad = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", timeout=30,
+                     headers={"content-type": "application/json"})
+    assert 400 <= bad.status_code < 500 and "JSON" in bad.text, bad.text
+    # No messages: transformers' handler does not validate it and answers 500 (its behaviour, left as is).
+    missing = httpx.post(f"{base}/v1/chat/completions", json={"model": model}, timeout=30)
+    assert missing.status_code >= 400, missing.text
+    again = chat(base, model)  # still serving
+    assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    base, model, _ = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "yes no"}],
+                                         max_tokens=4, temperature=0)
+    assert out.choices[0].message.content
