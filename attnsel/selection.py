@@ -25,9 +25,11 @@ AUTO = "auto"
 POLICIES = ("measure", "priority")
 MODES = ("eager", "graph")
 TIE = 0.03  # measured within 3% of the fastest: priority order decides
+# FlashInfer's template variants (flashinfer_fa2 prefill, flashinfer_fa3 decode) are registered but opt-in
+# (--prefill-priority / --decode-priority): each is a further JIT build of about two minutes on a fresh machine.
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
-    "prefill": ("fa3", "flashinfer", "triton", "torch"),
-    "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "triton", "torch"),
+    "prefill": ("fa3", "flashinfer", "fa3_split", "fa3_packgqa", "triton", "torch"),
+    "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "torch"),
 }
 
 

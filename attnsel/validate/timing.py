@@ -16,6 +16,7 @@ Timing rules (what a number in a report means):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -128,7 +129,8 @@ def make_decode_workload(spec: AttentionSpec, device: torch.device, label: str, 
     ps, dt = spec.page_size, spec.torch_dtype
     pages = math.ceil(ctx / ps)
     k_cache = torch.randn(batch * pages, ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = k_cache.to(spec.kv_torch_dtype)
+    v_cache = _random_like(k_cache)
     page_table = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch, spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
@@ -140,7 +142,8 @@ def make_ragged_decode_workload(spec: AttentionSpec, device: torch.device, label
     ps, dt = spec.page_size, spec.torch_dtype
     pages = [math.ceil(n / ps) for n in lens]
     k_cache = torch.randn(sum(pages), ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = k_cache.to(spec.kv_torch_dtype)
+    v_cache = _random_like(k_cache)
     order = torch.randperm(sum(pages), device=device).to(torch.int32)
     page_table = torch.zeros((len(lens), max(pages)), dtype=torch.int32, device=device)
     start = 0
@@ -180,6 +183,21 @@ def num_sets(set_bytes: int, device: torch.device) -> int:
     return max(1, min(MAX_SETS, math.ceil(ROTATE_L2 * l2_bytes(device) / max(set_bytes, 1))))
 
 
+def _random_like(t: torch.Tensor) -> torch.Tensor:
+    """Standard-normal values in t's shape and dtype (fp8 included, which randn cannot make directly)."""
+    return torch.randn(t.shape, device=t.device).to(t.dtype)
+
+
+def feature_inputs(spec: AttentionSpec, phase: str, device: torch.device) -> dict:
+    """The run-time feature inputs of a timing workload (sinks; fp8 k/v scales in decode), as the spec needs them."""
+    kwargs = {}
+    if spec.sinks:
+        kwargs["sinks"] = torch.zeros(spec.num_q_heads, dtype=torch.float32, device=device)
+    if spec.kv_dtype is not None and phase == "decode":
+        kwargs.update(k_scale=torch.ones(1, device=device), v_scale=torch.ones(1, device=device))
+    return kwargs
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -193,7 +211,7 @@ def rotated_workloads(spec: AttentionSpec, phase: str, shape, device: torch.devi
     else:
         first = make_decode_workload(spec, device, "", *shape)
     count = num_sets(_nbytes(first.inputs), device)
-    sets = [first.inputs] + [tuple(torch.randn_like(t) for t in first.inputs) for _ in range(count - 1)]
+    sets = [first.inputs] + [tuple(_random_like(t) for t in first.inputs) for _ in range(count - 1)]
     return first.plan_args, sets
 
 
@@ -255,7 +273,7 @@ def graph_check(backend, spec: AttentionSpec, case, device: torch.device) -> dic
         else:
             run = backend.plan_decode(spec, case.page_table, case.seq_lens)
             inputs = (case.q, case.k_cache, case.v_cache)
-        graph, outs = capture(run, [inputs], device)
+        graph, outs = capture(functools.partial(run, **cases.run_kwargs(spec, case)), [inputs], device)
         outs[0].fill_(float("nan"))  # the replay must write the output, not leave the capture's warm values
         graph.replay()
         _sync(device)
@@ -284,7 +302,7 @@ class _Timed:
 def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple], mode: str,
              device: torch.device) -> _Timed:
     plan = backend.plan_prefill if phase == "prefill" else backend.plan_decode
-    run = plan(spec, *plan_args)
+    run = functools.partial(plan(spec, *plan_args), **feature_inputs(spec, phase, device))
     if mode == "graph":
         graph, _outs = capture(run, sets, device)
         return _Timed(lambda cursor, g=graph, o=_outs: g.replay(), len(sets))
