@@ -11,7 +11,6 @@ bench.png (matplotlib) to --out.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -80,10 +79,10 @@ def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: to
     return status
 
 
-def grid_specs(args: argparse.Namespace, base: AttentionSpec | None) -> list[AttentionSpec]:
+def grid_specs(quick: bool, base: AttentionSpec | None) -> list[AttentionSpec]:
     if base is not None:
         return [base]
-    if args.quick:
+    if quick:
         return [AttentionSpec(32, 8, 128, "bf16", 16)]
     return [AttentionSpec(q, kv, 128, "bf16", 16) for q, kv in ((32, 8), (8, 1), (28, 4))]
 
@@ -263,28 +262,27 @@ def plot(cells: list[Cell], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run_bench(args: argparse.Namespace, out: Console) -> int:
-    from .cli import UsageError, spec_from_args
-
+def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, out: str, quick: bool,
+              console: Console) -> int:
+    """Bench ``base`` (None: the default specs) over the grid with ``names`` (None: every backend) in ``mode``
+    ("eager", "graph" or "both"), writing bench.md/json/png under ``out``. Needs a CUDA device (RuntimeError)."""
     if not torch.cuda.is_available():
-        raise UsageError("attnsel bench needs a CUDA device (none found)")
+        raise RuntimeError("attnsel bench times kernels on a CUDA device; none was found")
     device = torch.device("cuda", torch.cuda.current_device())
-    given = any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim"))
-    base = spec_from_args(args) if given else None
-    names = args.backends or backends.names()
+    names = names or backends.names()
     for name in names:
         backends.get(name)
-    modes = ["eager", "graph"] if args.mode == "both" else [args.mode]
-    out_dir = Path(args.out)
+    modes = ["eager", "graph"] if mode == "both" else [mode]
+    out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     probe = probes(device)
     log.info("probes: copy %.2f TB/s, read %.2f TB/s", probe["copy_tbps"], probe["read_tbps"])
     cells, checks, rows, selections = [], {}, [], []
     t0 = time.perf_counter()
-    for spec in grid_specs(args, base):
+    for spec in grid_specs(quick, base):
         # the grid first: its in-process checks build any JIT kernels, so the selections below time a cold
         # selection without JIT builds (with a fresh ATTNSEL_CACHE_DIR)
-        spec_cells, spec_checks, groups = run_grid(spec, names, modes, args.quick, device, probe, log.info)
+        spec_cells, spec_checks, groups = run_grid(spec, names, modes, quick, device, probe, log.info)
         cells += spec_cells
         checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
         choices = {}
@@ -320,12 +318,12 @@ def run_bench(args: argparse.Namespace, out: Console) -> int:
     for r in rows:
         table.add_row(r["spec"], r["phase"], r["mode"], r["shape"], r["fastest"],
                       *(_pick(r, s) for s in ("selected", "one_backend", "static")))
-    out.print(table)
+    console.print(table)
     totals = Table(title="within 3% of the fastest / geometric mean / worst", title_justify="left")
     for col in ("spec", "phase", "mode", "strategy", "within 3%", "geomean", "worst"):
         totals.add_column(col, no_wrap=True)
     for s in summary:
         totals.add_row(s["spec"], s["phase"], s["mode"], s["strategy"], f"{s['within_tie']}/{s['timed']}",
                        f"{s['geomean']:.3f}x", f"{s['worst']:.2f}x")
-    out.print(totals)
+    console.print(totals)
     return 0

@@ -3,7 +3,6 @@ served (or `bench` finds no CUDA device)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -328,17 +327,21 @@ def report_json(sel: Selection) -> dict:
         out[phase]["candidates"] = [
             {k: c[k] for k in ("name", "status", "reason", "max_abs_err", "tolerance", "time_s", "score_us",
                                "timings_us", "from_cache")} for c in out[phase]["candidates"]]
-    out["device"] = {**out["device"], "flashinfer_jit_dir": _flashinfer_jit_dir()}
+    out["backend_extras"] = _backend_extras()
     out["time_units"] = {"score_us": f"{sel.mode} us per call, geometric mean over the phase's timed buckets",
                          "dispatch.buckets.us": f"{sel.mode} us per call, median of interleaved samples",
                          "time_s": "validation wall time in seconds"}
     return out
 
 
-def _flashinfer_jit_dir() -> str | None:
-    from .backends.flashinfer import jit_cache_dir
-
-    return jit_cache_dir() if importlib.util.find_spec("flashinfer") else None
+def _backend_extras() -> dict[str, dict]:
+    """Facts each backend reports about itself (e.g. FlashInfer's JIT cache directory), by backend name."""
+    extras = {}
+    for name in backends.names():
+        facts = backends.report_extras(backends.get(name))
+        if facts:
+            extras[name] = facts
+    return extras
 
 
 def cmd_report(args: argparse.Namespace, out: Console) -> int:
@@ -391,7 +394,8 @@ def print_report(sel: Selection, args: argparse.Namespace, out: Console) -> None
     timed = f", timing {stats['timing_wall_s']:.1f} s" if stats.get("timing_wall_s") else ""
     out.print(f"validation worker: {stats['spawns']} spawn(s), {stats['deaths']} death(s), "
               f"{stats['worker_wall_s']:.1f} s{timed}{rss}{mem}", highlight=False)
-    out.print(f"flashinfer JIT cache: {_flashinfer_jit_dir() or '(flashinfer not installed)'}", highlight=False)
+    for name, facts in _backend_extras().items():
+        out.print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in facts.items()), highlight=False, soft_wrap=True)
     for phase in sel.phases:
         out.print(choice_line(sel, phase), highlight=False, markup=False, soft_wrap=True)
 
@@ -438,7 +442,9 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
         _check_backend_choice("--backends", name, allow_auto=False)
     if not torch.cuda.is_available():
         raise CannotRun("attnsel bench times kernels on a CUDA device; none was found")
-    return run_bench(args, out)
+    given = any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim"))
+    return run_bench(spec_from_args(args) if given else None, args.backends, args.mode, args.out, args.quick,
+                     Console())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -483,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
     try:
-        return args.func(args, Console(width=max(160, Console().width)))
+        return args.func(args, Console())
     except (SpecError, UsageError, UnknownBackendError, ValueError) as exc:
         err.print(f"attnsel: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE

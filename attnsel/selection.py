@@ -526,6 +526,24 @@ def _usable(entry: dict, mode: str) -> bool:
     return entry["status"] == "valid" and (mode != "graph" or entry.get("graph_capture") == "ok")
 
 
+def _reject_outliers(spec: AttentionSpec, names: dict, found: dict) -> None:
+    """Reject a valid candidate whose error is far above the best valid candidate's on the same case (cases.py's
+    cross-candidate rule). Applied on every selection, never cached: it depends on which candidates ran."""
+    from .validate.cases import outlier_reason
+
+    for phase in PHASES:
+        valid = [found[(n, phase)] for n in names[phase] if (n, phase) in found and found[(n, phase)].status == "valid"
+                 and found[(n, phase)].max_abs_err is not None]
+        if len(valid) < 2:
+            continue
+        best = min(c.max_abs_err for c in valid)
+        for cand in valid:
+            reason = outlier_reason(cand.max_abs_err, best, spec)
+            if reason:
+                log.warning("%s %s: rejected: %s", cand.name, phase, reason)
+                cand.status, cand.reason = "rejected", reason
+
+
 def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode: str, timeout: float | None,
             cache_dir: str | None, use_cache: bool, device: str, budget_s: float) -> Selection:
     fp = fingerprint(device)
@@ -618,6 +636,7 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
         if entry["status"] == "valid" and not _usable(entry, mode):
             found[task].status = "rejected"
             found[task].reason = f"cannot serve under CUDA graphs: {entry.get('graph_capture', 'not checked')}"
+    _reject_outliers(spec, names, found)
 
     tables: dict[str, DispatchTable] = {}
     for phase in timed:

@@ -331,3 +331,14 @@ def test_run_inputs_are_passed_only_with_the_feature():
             return lambda q, k_cache, v_cache: run(q, k_cache, v_cache)
 
     assert judge(Legacy(), SPEC, "decode", plain)["status"] == "valid"
+
+
+def test_selection_applies_the_outlier_rule(monkeypatch):
+    """Wired into selection: the sloppy candidate comes first in priority and is valid on its own, yet the selection
+    rejects it against torch's far smaller error and serves torch."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:SLOPPY")
+    spec = AttentionSpec(4, 2, 64, "bf16", softcap=50.0)
+    sel = select(spec, policy="priority", prefill_priority=["sloppy", "torch"], decode="torch")
+    sloppy = next(c for c in sel.candidates["prefill"] if c.name == "sloppy")
+    assert sloppy.status == "rejected" and "far above the best candidate's" in sloppy.reason
+    assert sel.prefill == "torch"
