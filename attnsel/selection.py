@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 from typing import Literal
 
 import torch
@@ -289,6 +290,44 @@ def _check_features(spec: AttentionSpec, kwargs: dict, phase: str) -> None:
             raise ValueError(f"{name}: given, but {why} (no scales)")
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _host_int(value) -> bool:
+    """An integer on the host (int, numpy integer; not bool, not a tensor: reading one would sync)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_prefill_metadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """Host-side checks of a prefill plan's arguments (shapes, dtypes, devices; never their values: no sync)."""
+    for arg, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] < 1 or cu.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"{arg}: expected a 1-D int32 tensor of batch + 1 offsets, got {_describe(cu)}")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape or cu_seqlens_k.device != cu_seqlens_q.device:
+        raise ValueError(f"cu_seqlens_k: expected the shape and device of cu_seqlens_q {_describe(cu_seqlens_q)}, "
+                         f"got {_describe(cu_seqlens_k)}")
+    for arg, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not _host_int(value) or value < 0:
+            raise ValueError(f"{arg}: expected a non-negative Python int (a host-side size), got {value!r}")
+
+
+def check_decode_metadata(page_table, seq_lens, max_seq_len) -> None:
+    """Host-side checks of a decode plan's arguments (shapes, dtypes, devices; never their values: no sync)."""
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"seq_lens: expected a 1-D int32 tensor [batch], got {_describe(seq_lens)}")
+    if (not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.dtype not in _INDEX_DTYPES
+            or page_table.shape[0] != seq_lens.shape[0] or page_table.device != seq_lens.device):
+        raise ValueError(f"page_table: expected an int32 tensor [{seq_lens.shape[0]}, max_pages] on "
+                         f"{seq_lens.device} (one row per sequence of seq_lens), got {_describe(page_table)}")
+    if max_seq_len is not None and (not _host_int(max_seq_len) or max_seq_len < 0):
+        raise ValueError(f"max_seq_len: expected None or a non-negative Python int, got {max_seq_len!r}")
+
+
+def _strided(t: torch.Tensor) -> bool:
+    """A last dimension that is not contiguous: kernels index it with stride 1."""
+    return t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1
+
+
 def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
                     total_k: int | None) -> RunFn:
     """run(q, k, v, **features) with the tensors checked against the spec and plan: host metadata only, no sync.
@@ -313,6 +352,10 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
             raise _expect("k", k, (total_k, hk, d), dt, device)
         if not isinstance(v, torch.Tensor) or v.shape != k.shape or v.dtype != dt or v.get_device() != device:
             raise _expect("v", v, (tk, hk, d), dt, device)
+        for arg, t in (("q", q), ("k", k), ("v", v)):
+            if _strided(t):
+                raise ValueError(f"{arg}: its last dimension must be contiguous (stride 1), got strides "
+                                 f"{tuple(t.stride())}; pass {arg}.contiguous()")
         if kwargs or not plain:
             _check_features(spec, kwargs, "prefill")
         return run(q, k, v, **kwargs)
@@ -342,6 +385,10 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
         if (not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype != kdt
                 or v_cache.get_device() != device):
             raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
+        for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if _strided(t):
+                raise ValueError(f"{arg}: its last dimension must be contiguous (stride 1), got strides "
+                                 f"{tuple(t.stride())}; pass {arg}.contiguous()")
         if kwargs or not plain:
             _check_features(spec, kwargs, "decode")
         return run(q, k_cache, v_cache, **kwargs)
@@ -416,6 +463,7 @@ class Selection:
         ``total_q`` is None it is taken as ``num_seqs * max_seqlen_q``: exact for equal lengths, an overestimate for
         ragged batches (pass it). The run function checks q/k/v against the spec, q's token count against
         ``total_q`` and k's against ``total_k`` when given, and raises ValueError naming the argument."""
+        check_prefill_metadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         n = cu_seqlens_q.shape[0] - 1
         name = self.prefill_backend_for(n, total_q if total_q is not None else n * max_seqlen_q, max_seqlen_q)
         run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -428,6 +476,7 @@ class Selection:
         table can hold (an overestimate when the table is wider than needed: pass it). In mode "graph" only the
         batch size matters. The run function checks q and the caches against the spec and raises ValueError naming
         the argument."""
+        check_decode_metadata(page_table, seq_lens, max_seq_len)
         batch = seq_lens.shape[0]
         ctx = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
         name = self.decode_backend_for(batch, ctx)

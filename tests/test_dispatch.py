@@ -601,3 +601,37 @@ def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
         select(SPEC)
     with pytest.raises(ValueError, match="budget_s must be a positive number of seconds"):
         select(SPEC, budget_s=0)
+
+
+def test_plan_metadata_is_checked_before_any_backend_sees_it():
+    """Review finding: a page table with fewer rows than seq_lens crashed the Triton decode (SIGSEGV) and
+    mismatched cu_seqlens gave NaN; plan_* now refuses them from host metadata, naming the argument."""
+    sel = _selection({})
+    lens = torch.tensor([20, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^page_table: expected an int32 tensor \[2, max_pages\] on cpu .* "
+                                         r"got \[1, 2\] int32 on cpu$"):
+        sel.plan_decode(torch.zeros(1, 2, dtype=torch.int32), lens, 20)
+    with pytest.raises(ValueError, match=r"^page_table: .* got \[2, 2\] fp32 on cpu$"):
+        sel.plan_decode(torch.zeros(2, 2), lens, 20)
+    with pytest.raises(ValueError, match=r"^seq_lens: expected a 1-D int32 tensor \[batch\], got \[2, 1\]"):
+        sel.plan_decode(torch.zeros(2, 2, dtype=torch.int32), lens[:, None], 20)
+    with pytest.raises(ValueError, match="^max_seq_len: expected None or a non-negative Python int, got "):
+        sel.plan_decode(torch.zeros(2, 2, dtype=torch.int32), lens, torch.tensor(20))
+    cu = cumulative([5, 7], "cpu")
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: expected the shape and device of cu_seqlens_q"):
+        sel.plan_prefill(cu, cumulative([5, 7, 1], "cpu"), 7, 7, 12)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: expected a 1-D int32 tensor"):
+        sel.plan_prefill(cu.float(), cu, 7, 7, 12)
+    with pytest.raises(ValueError, match=r"^max_seqlen_k: expected a non-negative Python int"):
+        sel.plan_prefill(cu, cu, 7, -1, 12)
+
+
+def test_run_refuses_a_strided_last_dimension():
+    """Review finding: Triton indexes the last dimension with stride 1, so q[..., ::2] gave errors of 1.56."""
+    run = _prefill_run()
+    wide = torch.zeros(12, 4, 128, **H)
+    k, v = torch.zeros(12, 2, 64, **H), torch.zeros(12, 2, 64, **H)
+    with pytest.raises(ValueError, match=r"^q: its last dimension must be contiguous \(stride 1\), got strides "
+                                         r"\(512, 128, 2\); pass q.contiguous\(\)$"):
+        run(wide[..., ::2], k, v)
+    assert run(wide[..., ::2].contiguous(), k, v).shape == (12, 4, 64)
