@@ -9,6 +9,7 @@ itself; "poison" returns a correct output first, as an asynchronous fault that s
 import ctypes
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -188,3 +189,11 @@ DEVICE_AWARE = _DeviceAware("device_aware")
 PREFILL = {b.name: b for b in ALL if b.phase == "prefill"}
 WRONG_PREFILL = PREFILL["wrong_prefill"]
 NAN_DECODE = next(b for b in ALL if b.name == "nan_decode")
+
+
+def _killed(*inputs):
+    """What the kernel's OOM killer does to a process that outgrows host memory."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+OOM_KILLED = Wrapped("oom_killed", before=_killed)

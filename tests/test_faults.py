@@ -192,6 +192,19 @@ def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch):
     assert ("oom", "prefill") not in _cached() and _cached()[("torch", "prefill")]["status"] == "valid"
 
 
+def test_a_worker_killed_from_outside_is_reported_not_cached(monkeypatch):
+    """Review finding: SIGKILL (the kernel's OOM killer) or SIGTERM says nothing about the backend: the candidate is
+    rejected for this start, with the signal in its reason, and tried again at the next start."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM_KILLED")
+    sel = select(SPEC, policy="priority", prefill_priority=["oom_killed", "torch"], decode_priority=["torch"])
+    cand = sel.candidates["prefill"][0]
+    assert cand.status == "rejected" and "SIGKILL" in cand.reason
+    assert sel.prefill == "torch"
+    assert ("oom_killed", "prefill") not in _cached() and _cached()[("torch", "prefill")]["status"] == "valid"
+    assert not any(c.from_cache for c in select(SPEC, policy="priority", prefill_priority=["oom_killed", "torch"],
+                                                 decode_priority=["torch"]).candidates["prefill"][:1])
+
+
 def test_out_of_memory_while_timing_is_retried_and_not_cached(monkeypatch, caplog):
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM_TIMING")
     with caplog.at_level(logging.WARNING, logger="attnsel"):

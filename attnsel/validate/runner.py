@@ -337,10 +337,12 @@ def run_tasks(spec: AttentionSpec, tasks: list[tuple[str, str]], *, device: str,
             cause = _death_reason(worker.proc.returncode, out.timed_out)
             name, phase = out.in_flight
             what = f"timing the {phase} candidates" if name == TIMING_TASK else f"running {name} {phase}"
-            # A timeout may be a slow first JIT build that the next start finds done: not worth remembering.
+            # A timeout may be a slow first JIT build that the next start finds done, and SIGKILL/SIGTERM come from
+            # outside (the kernel's OOM killer, an operator): about the machine, not worth remembering.
+            killed = worker.proc.returncode in (-signal.SIGKILL, -signal.SIGTERM)
             state.results[out.in_flight] = {"status": "rejected", "time_s": None,
                                             "reason": f"{cause} while {what}; stderr tail:\n{tail}",
-                                            "transient": out.timed_out is not None}
+                                            "transient": out.timed_out is not None or killed}
             state.remaining.remove(out.in_flight)
             _log_result(out.in_flight, state.results[out.in_flight])
             continue

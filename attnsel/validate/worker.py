@@ -41,10 +41,11 @@ START_FAILED = 3  # exit code when the device cannot compute before any candidat
 
 def is_oom(exc: BaseException | str) -> bool:
     """A CUDA (or host) out-of-memory error: a machine condition, not a verdict on the backend."""
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc)
-    return "out of memory" in text.lower() or "OutOfMemoryError" in text
+    return ("out of memory" in text.lower() or "OutOfMemoryError" in text
+            or "can't allocate memory" in text)  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
 
 
 def probe(device: torch.device) -> str | None:
