@@ -226,10 +226,15 @@ def _text_config(config: dict) -> dict:
 
 
 def _get(config: dict, key: str):
-    """(the key as the config spells it, its value or transformers' default for the model_type; None if absent)."""
-    for name in (key, *_ALIASES.get(key, ())):
+    """(the key as the config spells it, its value or transformers' default for the model_type; None if absent).
+    An explicit null is a value (Mistral v0.3's "sliding_window": null means no window), not a missing key."""
+    names = (key, *_ALIASES.get(key, ()))
+    for name in names:
         if config.get(name) is not None:
             return name, config[name]
+    for name in names:
+        if name in config:
+            return name, None
     default = _HF_DEFAULTS.get(config.get("model_type"), {}).get(key)
     return key, default
 

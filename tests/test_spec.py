@@ -132,8 +132,19 @@ def test_qwen2_sliding_layers_after_max_window_layers():
                                   "qwen2-7b", "llama-3-8b", "gpt2"])
 def test_layer_specs_agree_with_transformers(name):
     """An independent reading: transformers' own config class (its defaults, layer_types and window per layer)."""
-    transformers = pytest.importorskip("transformers")
+    _agree_with_transformers(json.loads((CONFIGS / f"{name}.json").read_text()))
+
+
+@pytest.mark.parametrize("name, key", [("mistral-7b-v0.1", "sliding_window"), ("gemma-2-27b", "attn_logit_softcapping")])
+def test_an_explicit_null_is_a_value_not_a_missing_key(name, key):
+    """Review finding: Mistral v0.3's "sliding_window": null was read as transformers' default window 4096."""
     data = json.loads((CONFIGS / f"{name}.json").read_text())
+    data[key] = None
+    _agree_with_transformers(data)
+
+
+def _agree_with_transformers(data: dict) -> None:
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.for_model(data["model_type"], **{k: v for k, v in data.items() if k != "model_type"})
     n, heads = cfg.num_hidden_layers, cfg.num_attention_heads
     window = getattr(cfg, "sliding_window", None)
@@ -142,7 +153,7 @@ def test_layer_specs_agree_with_transformers(name):
     scale = getattr(cfg, "query_pre_attn_scalar", None)
     scale = scale ** -0.5 if scale else head_dim ** -0.5
     seen = set()
-    for kind, spec, layers in layer_specs(CONFIGS / f"{name}.json"):
+    for kind, spec, layers in layer_specs(data):
         for i in layers:
             seen.add(i)
             assert types[i] == kind
