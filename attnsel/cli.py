@@ -232,9 +232,10 @@ def _cut(text: str, room: int) -> str:
 
 
 def report_table(sel: Selection, width: int = 80) -> Group:
-    """Every backend x phase: status, error vs tolerance, time, one-line reason; fits ``width`` columns and no cell
-    wraps. From WIDE columns on: one table with every column, the reason cut to the room left. Narrower: one table
-    per phase without the check time, each reason on a line of its own below it. Full reasons: --json, the log."""
+    """Every backend x phase: status, error vs tolerance, time, one-line reason; fits ``width`` columns. From WIDE
+    columns on: one table with every column, the reason wrapped in the room left. Narrower: one table per phase
+    without the check time, each reason below it, wrapped at the width (a reason's first line is never cut; a
+    multi-line reason, e.g. a stack, is summarised by its first line). Full reasons: --json, the log."""
     wide = width >= WIDE
     head = Text(f"attnsel on {sel.device.get('gpu') or 'CPU'}: {sel.spec.describe()}", style="bold")
     cols = (["phase"] if wide else []) + ["backend", "status"]
@@ -262,11 +263,11 @@ def report_table(sel: Selection, width: int = 80) -> Group:
             out.add_column(col, no_wrap=True, min_width=w)
         room = max(12, width - sum(w + 3 for w in widths) - 4)  # 3 per column (padding, border), 4: the last
         if with_reason:
-            out.add_column("reason", no_wrap=True, overflow="ellipsis", max_width=room)
+            out.add_column("reason", overflow="fold", max_width=room)  # the summary wraps in its cell, never cut
         for r in rows:
             cells = list(r[:len(cols)])
             cells[status_col] = f"[{STYLES[r[status_col]]}]{r[status_col]}[/]"
-            out.add_row(*cells, *([_cut(r[-1], room)] if with_reason else []))
+            out.add_row(*cells, *([r[-1]] if with_reason else []))
         return out
 
     if wide:
@@ -276,7 +277,7 @@ def report_table(sel: Selection, width: int = 80) -> Group:
             parts.append(table(rows, f"{phase} candidates", False))
             for r in rows:
                 if r[-1]:
-                    parts.append(Text(_cut(f"  {r[0]}: {r[-1]}", width), no_wrap=True, overflow="ellipsis"))
+                    parts.append(Text(f"  {r[0]}: {r[-1]}", overflow="fold"))  # wraps at the width, never cut
     return Group(*parts)
 
 
@@ -327,17 +328,17 @@ def report_json(sel: Selection) -> dict:
         out[phase]["candidates"] = [
             {k: c[k] for k in ("name", "status", "reason", "max_abs_err", "tolerance", "time_s", "score_us",
                                "timings_us", "from_cache")} for c in out[phase]["candidates"]]
-    out["backend_extras"] = _backend_extras()
+    out["backend_extras"] = _backend_extras(sel)
     out["time_units"] = {"score_us": f"{sel.mode} us per call, geometric mean over the phase's timed buckets",
                          "dispatch.buckets.us": f"{sel.mode} us per call, median of interleaved samples",
                          "time_s": "validation wall time in seconds"}
     return out
 
 
-def _backend_extras() -> dict[str, dict]:
-    """Facts each backend reports about itself (e.g. FlashInfer's JIT cache directory), by backend name."""
+def _backend_extras(sel: Selection) -> dict[str, dict]:
+    """Facts each available candidate reports about itself (e.g. FlashInfer's JIT cache directory), by name."""
     extras = {}
-    for name in backends.names():
+    for name in dict.fromkeys(c.name for cands in sel.candidates.values() for c in cands if c.status != "unavailable"):
         facts = backends.report_extras(backends.get(name))
         if facts:
             extras[name] = facts
@@ -394,7 +395,7 @@ def print_report(sel: Selection, args: argparse.Namespace, out: Console) -> None
     timed = f", timing {stats['timing_wall_s']:.1f} s" if stats.get("timing_wall_s") else ""
     out.print(f"validation worker: {stats['spawns']} spawn(s), {stats['deaths']} death(s), "
               f"{stats['worker_wall_s']:.1f} s{timed}{rss}{mem}", highlight=False)
-    for name, facts in _backend_extras().items():
+    for name, facts in _backend_extras(sel).items():
         out.print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in facts.items()), highlight=False, soft_wrap=True)
     for phase in sel.phases:
         out.print(choice_line(sel, phase), highlight=False, markup=False, soft_wrap=True)
