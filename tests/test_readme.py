@@ -18,11 +18,6 @@ def test_the_readme_has_python_blocks():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_python_block_runs(index, tmp_path):
     code = BLOCKS[index]
-    if "paged|attnsel" in code:
-        from attnsel.integrations import hf  # transformers is a test dependency
-
-        if hf.paged_unsupported():
-            pytest.skip(f"README block {index}: {hf.paged_unsupported()}")
     env = dict(os.environ, ATTNSEL_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)  # as a user runs it
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -107,7 +107,7 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     else:  # transformers >= 5.19: continuous batching through the flash-named route (hf_kernels)
         from . import hf_kernels
 
-        log.warning("attnsel: %s not registered: %s; use %s for continuous batching", PAGED_NAME, reason,
+        log.info("attnsel: %s not registered: %s; use %s for continuous batching", PAGED_NAME, reason,
                     hf_kernels.NAME)
         names += hf_kernels.register(prefill, decode, **select_options)
     return names
