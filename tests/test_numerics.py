@@ -31,7 +31,7 @@ def test_torch_backend(shape, dtype, phase):
 
 
 # bf16 runs in the interpreter with the dot operands up-cast to float32 (Triton's interpreter computes bf16 dots
-# wrongly, DESIGN.md); compiled bf16 dots are covered by tests/test_gpu.py on the device.
+# wrongly, docs/ARCHITECTURE.md and the project notes); compiled bf16 dots are covered by tests/test_gpu.py on the device.
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv_d{s[2]}")
