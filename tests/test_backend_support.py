@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnsel.backends.support as support
+import attnsel.device
 from attnsel.backends import BUILTINS, get
 from attnsel.spec import AttentionSpec
 
@@ -38,7 +39,7 @@ def hopper_with_libraries(monkeypatch):
     config = types.ModuleType("flash_attn_config")
     config.CONFIG = {"build_flags": FA3_FLAGS}
     monkeypatch.setitem(sys.modules, "flash_attn_config", config)
-    monkeypatch.setattr(support, "cuda_capability",
+    monkeypatch.setattr(attnsel.device, "cuda_capability",
                         lambda device=None: CAPS["cuda:0" if device is None else str(device)])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

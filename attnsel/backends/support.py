@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-import torch
 
-from ..device import cuda_capability
+from ..device import capability_reason  # noqa: F401  (one capability check, re-exported for the backends)
 from ..spec import AttentionSpec
 
 # Spec features a backend may or may not implement (AttentionSpec docstring); the keys backends name.
@@ -21,16 +20,6 @@ def dtype_reason(spec: AttentionSpec, allowed: tuple[str, ...] = ("fp16", "bf16"
     return f"dtype {spec.dtype} is not supported ({', '.join(allowed)})"
 
 
-def capability_reason(need: str, ok, device: torch.device | str | int | None = None) -> str | None:
-    """None if the CUDA capability of ``device`` (default: the current device) passes ``ok((major, minor))``."""
-    if isinstance(device, torch.device) and device.type != "cuda":
-        return f"needs a CUDA device with compute capability {need}, got device {device}"
-    cap = cuda_capability(device)
-    if cap is None:
-        return f"needs CUDA compute capability {need}, found none (no CUDA device)"
-    if not ok(cap):
-        return f"needs CUDA compute capability {need}, found {cap[0]}.{cap[1]}"
-    return None
 
 
 def spec_features(spec: AttentionSpec, phase: str) -> dict[str, str]:
