@@ -28,6 +28,7 @@ import time
 from .. import backends
 from ..device import resolve
 from ..spec import AttentionSpec
+from . import seconds_from_env
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,7 @@ spawn_count = 0  # process-wide number of workers spawned (tests assert on it)
 
 
 def default_timeout() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {raw!r}")
-    return value
+    return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from ..spec import AttentionSpec
+from . import seconds_from_env
 from .cases import cumulative
 
 GRID_VERSION = 1  # part of the dispatch-table cache key: bump when the grids or the timing rules change
@@ -387,16 +388,7 @@ def _free_bytes(device: torch.device) -> int | None:
 
 
 def budget_from_env() -> float:
-    raw = os.environ.get(BUDGET_ENV)
-    if raw is None:
-        return DEFAULT_BUDGET_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{BUDGET_ENV} must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"{BUDGET_ENV} must be positive, got {raw!r}")
-    return value
+    return seconds_from_env(BUDGET_ENV, DEFAULT_BUDGET_S)
 
 
 def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.device, mode: str,
