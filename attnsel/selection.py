@@ -323,9 +323,13 @@ def check_decode_metadata(page_table, seq_lens, max_seq_len) -> None:
         raise ValueError(f"max_seq_len: expected None or a non-negative Python int, got {max_seq_len!r}")
 
 
-def _strided(t: torch.Tensor) -> bool:
-    """A last dimension that is not contiguous: kernels index it with stride 1."""
-    return t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1
+def _check_unit_stride(**tensors: torch.Tensor) -> None:
+    """Every tensor's last dimension is contiguous (kernels index it with stride 1); ValueError naming the first
+    that is not."""
+    for arg, t in tensors.items():
+        if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"{arg}: its last dimension must be contiguous (stride 1), got strides "
+                             f"{tuple(t.stride())}; pass {arg}.contiguous()")
 
 
 def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
@@ -352,10 +356,7 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
             raise _expect("k", k, (total_k, hk, d), dt, device)
         if not isinstance(v, torch.Tensor) or v.shape != k.shape or v.dtype != dt or v.get_device() != device:
             raise _expect("v", v, (tk, hk, d), dt, device)
-        for arg, t in (("q", q), ("k", k), ("v", v)):
-            if _strided(t):
-                raise ValueError(f"{arg}: its last dimension must be contiguous (stride 1), got strides "
-                                 f"{tuple(t.stride())}; pass {arg}.contiguous()")
+        _check_unit_stride(q=q, k=k, v=v)
         if kwargs or not plain:
             _check_features(spec, kwargs, "prefill")
         return run(q, k, v, **kwargs)
@@ -385,10 +386,7 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
         if (not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype != kdt
                 or v_cache.get_device() != device):
             raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
-        for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if _strided(t):
-                raise ValueError(f"{arg}: its last dimension must be contiguous (stride 1), got strides "
-                                 f"{tuple(t.stride())}; pass {arg}.contiguous()")
+        _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
         if kwargs or not plain:
             _check_features(spec, kwargs, "decode")
         return run(q, k_cache, v_cache, **kwargs)
