@@ -6,6 +6,8 @@
 - top_left: prefill with SDPA's own is_causal for every sequence, which aligns causal top-left when a sequence has
   fewer queries than keys (the contract is bottom-right).
 - off_by_one: the torch output plus 1.0.
+- stale_plan / stale_when_timed: right on the first one / two runs of a plan, then half the rows zero (a plan that
+  cannot be reused: the validation runs a plan twice; the timing checks what its many runs computed).
 - mutate_prefill / mutate_decode: correct output, then ``q.mul_(2)``; scribble_cache: correct output, then NaN
   written into the key cache's first page; mutate_then_raise: ``q.mul_(2)`` then raises.
 - sloppy: attention computed in the activation dtype by plain matmul/softmax (what the tolerance is derived from).
@@ -166,7 +168,31 @@ def _scales(transform):
     return wrapped
 
 
+def _stale_after(first_good: int):
+    """plan function of the torch backend whose first ``first_good`` runs are right and whose later runs leave the
+    second half of the rows as zeros: a kernel that skips work once a scheduler counter it never resets has run up
+    (FA3's scheduler metadata planned for another length did worse on the H200)."""
+    def wrap(plan):
+        def wrapped(spec, *plan_args):
+            run, calls = plan(spec, *plan_args), [0]
+
+            def run_stale(*inputs, **kwargs):
+                out = run(*inputs, **kwargs)
+                calls[0] += 1
+                if calls[0] > first_good:
+                    out[out.shape[0] // 2:] = 0
+                return out
+
+            return run_stale
+
+        return wrapped
+
+    return wrap
+
+
 OLD_TORCH = Plugin("old_torch", plan_decode=old_torch_plan_decode)
+STALE_PLAN = Plugin("stale_plan", _stale_after(1)(TORCH.plan_prefill), _stale_after(1)(TORCH.plan_decode))
+STALE_WHEN_TIMED = Plugin("stale_when_timed", _stale_after(2)(TORCH.plan_prefill), _stale_after(2)(TORCH.plan_decode))
 TOP_LEFT = Plugin("top_left", plan_prefill=top_left_plan_prefill)
 OFF_BY_ONE = Plugin("off_by_one", _after(TORCH.plan_prefill, lambda out, *a: out + 1.0),
                     _after(TORCH.plan_decode, lambda out, *a: out + 1.0))
@@ -194,6 +220,7 @@ FEATURE_BUGS = {
     "swap_kv_scale": Plugin("swap_kv_scale", plan_decode=_scales(lambda k, v: (v, k))),
 }
 
-ALL = [OLD_TORCH, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE, SCRIBBLE_CACHE, MUTATE_THEN_RAISE, SLOPPY,
+ALL = [OLD_TORCH, STALE_PLAN, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE, SCRIBBLE_CACHE, MUTATE_THEN_RAISE,
+       SLOPPY,
        *FEATURE_BUGS.values()]
 TORCH_COPY = Plugin("torch_copy")  # the torch backend under another name (a fallback next to BROKEN_TORCH)

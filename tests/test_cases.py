@@ -224,14 +224,17 @@ def test_faults_in_a_real_worker(monkeypatch):
     rejected with its reason, torch after the input-changing candidates is valid and selected."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:ALL")
     sel = select(SPEC, policy="priority",
-                 prefill_priority=["mutate_prefill", "top_left", "off_by_one", "mutate_then_raise", "torch"],
-                 decode_priority=["mutate_decode", "scribble_cache", "old_torch", "off_by_one", "torch"])
+                 prefill_priority=["mutate_prefill", "top_left", "off_by_one", "mutate_then_raise", "stale_plan",
+                                   "torch"],
+                 decode_priority=["mutate_decode", "scribble_cache", "old_torch", "off_by_one", "stale_plan", "torch"])
     expected = {
         "prefill": {"mutate_prefill": "changed its input(s) q during plan/run", "top_left": "exceeds tolerance",
-                    "off_by_one": "exceeds tolerance", "mutate_then_raise": "injected failure"},
+                    "off_by_one": "exceeds tolerance", "mutate_then_raise": "injected failure",
+                    "stale_plan": "a second run of the same plan differs"},
         "decode": {"mutate_decode": "changed its input(s) q during plan/run",
                    "scribble_cache": "changed its input(s) k_cache during plan/run",
-                   "old_torch": "seq_lens must be >= 1", "off_by_one": "exceeds tolerance"},
+                   "old_torch": "seq_lens must be >= 1", "off_by_one": "exceeds tolerance",
+                   "stale_plan": "a second run of the same plan differs"},
     }
     for phase, reasons in expected.items():
         cands = {c.name: c for c in sel.candidates[phase]}
@@ -239,6 +242,49 @@ def test_faults_in_a_real_worker(monkeypatch):
             assert cands[name].status == "rejected" and reason in cands[name].reason, (name, cands[name].reason)
         assert cands["torch"].status == "selected"
     assert (sel.prefill, sel.decode) == ("torch", "torch")
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_plan_that_goes_wrong_on_its_second_run_is_rejected(phase):
+    """Engines run one plan for every layer: a plan right only on its first run (stale kernel state) is rejected,
+    and its first output alone would have passed."""
+    case = cases.make_case(SPEC, phase, CPU)
+    result = judge(faults.STALE_PLAN, SPEC, phase, case)
+    assert result["status"] == "rejected"
+    assert "a second run of the same plan differs from the first" in result["reason"]
+    assert case.rerun_diff > cases.tolerance(SPEC, case.low_err)
+    assert judge(TORCH, SPEC, phase)["status"] == "valid"
+
+
+def test_rerun_difference_ignores_matching_nan_and_inf():
+    a = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
+    assert cases._difference(a, a.clone()) == 0.0
+    assert cases._difference(a, torch.tensor([1.0, 0.0, float("inf"), 2.5])) == float("inf")
+    assert cases._difference(a, torch.tensor([1.0, float("nan"), float("inf"), 2.5])) == 0.5
+
+
+def test_decode_table_is_much_wider_than_the_longest_sequence():
+    """An engine's page table is sized for the longest possible sequence; FA3 sizes its split plan by the table's
+    width, so the case's table has more unused columns than used ones."""
+    case = cases.decode_case(SPEC, CPU)
+    used = max(_used_pages(case, SPEC.page_size))
+    assert case.page_table.shape[1] > 2 * used
+
+
+@pytest.mark.parametrize("phase,shape", [("prefill", [5, 12, 1]), ("decode", (3, 9)), ("decode", [0, 7, 13])])
+def test_spot_check_passes_right_outputs_and_names_a_wrong_row(phase, shape):
+    from attnsel.validate import timing
+
+    plan_args, sets = timing.rotated_workloads(SPEC, phase, shape, CPU)
+    plan = TORCH.plan_prefill if phase == "prefill" else TORCH.plan_decode
+    out = plan(SPEC, *plan_args)(*sets[0])
+    assert cases.spot_check(SPEC, phase, plan_args, sets[0], out, {}) is None
+    bad = out.clone()
+    bad[-1, 0, 0] += 0.5
+    reason = cases.spot_check(SPEC, phase, plan_args, sets[0], bad, {})
+    assert reason and "exceeds tolerance" in reason and f"row {out.shape[0] - 1}" in reason
+    bad[0] = float("nan")
+    assert "NaN or inf" in cases.spot_check(SPEC, phase, plan_args, sets[0], bad, {})
 
 
 # --- issue 11 item 2: every feature in the reference and the cases --------------------------------------------------

@@ -410,7 +410,8 @@ class Logged:
         self.name = name
 
     def plan_decode(self, spec, page_table, seq_lens):
-        return lambda q, k, v: Logged.calls.append((self.name, id(q)))
+        run = TORCH.plan_decode(spec, page_table, seq_lens)
+        return lambda q, k, v: (Logged.calls.append((self.name, id(q))), run(q, k, v))[1]
 
 
 def test_candidates_are_interleaved_and_rotate_the_input_sets(monkeypatch):
@@ -419,9 +420,9 @@ def test_candidates_are_interleaved_and_rotate_the_input_sets(monkeypatch):
     cands = {"a": Logged("a"), "b": Logged("b"), "c": Logged("c")}
     out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=3)
     assert set(out["us"]) == {"a", "b", "c"} and not out["errors"]
-    timed = Logged.calls[3 + 3:]  # after one warm-up call each and one calibration sample each
+    timed = Logged.calls[3 + 3:-3]  # after one warm-up call and one calibration sample each, before the checks
     assert [n for n, _ in timed] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # round-robin, rotated start
-    sets = [q for _, q in Logged.calls[3:]]  # from calibration on: one shared cursor over the 3 input sets
+    sets = [q for _, q in Logged.calls[3:-3]]  # from calibration on: one shared cursor over the 3 input sets
     assert len(set(sets)) == 3
     assert all(sets[i] != sets[i + 1] for i in range(len(sets) - 1))  # never the set the previous call just read
 
@@ -437,6 +438,32 @@ def test_a_candidate_that_fails_in_a_bucket_gets_no_time_there():
                              "eager", reps=2)
     assert set(out["us"]) == {"torch"}
     assert out["errors"] == {"broken": "plan or first run failed: RuntimeError: no kernel for this shape"}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("phase,shape", [("prefill", [9, 4]), ("decode", (2, 32))])
+def test_a_candidate_fast_and_wrong_when_timed_gets_no_time(phase, shape, mode, monkeypatch):
+    """A plan right on its first runs (so it passes validation) that skips work once run many times must not win a
+    bucket: the timing checks what the timed plan computed. Graph mode on CPU: the capture is a loop of calls."""
+    from tests import fault_numerics as faults
+
+    class ReplayLoop:  # what a CUDA graph does on replay: the captured calls write into the captured outputs
+        def __init__(self, run, sets):
+            self.run, self.sets = run, sets
+            self.outs = [run(*s) for s in sets]
+
+        def replay(self):
+            for out, s in zip(self.outs, self.sets):
+                out.copy_(self.run(*s))
+
+    if mode == "graph":
+        monkeypatch.setattr(timing, "capture", lambda run, sets, device: (lambda g: (g, g.outs))(ReplayLoop(run, sets)))
+    monkeypatch.setattr(timing, "num_sets", lambda nbytes, device: 3)
+    out = timing.time_bucket({"torch": TORCH, "stale_when_timed": faults.STALE_WHEN_TIMED}, SPEC, phase, shape,
+                             torch.device("cpu"), mode, reps=2)
+    assert set(out["us"]) == {"torch"}, out
+    reason = out["errors"]["stale_when_timed"]
+    assert reason.startswith(f"wrong output after the timed {mode} runs: input set ") and "exceeds tolerance" in reason
 
 
 def test_bench_grid_differs_from_the_timed_buckets():

@@ -146,14 +146,18 @@ class FA3Backend:
         page_table = page_table.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         batch = lens.numel()
-        max_len = max(int(lens.max()), 1) if batch else 1
+        # FA3 sizes a paged run by the table (seqlen_k = columns x page_size), so the precomputed scheduler metadata
+        # must be planned for that length too (as FA3's own tests do): planned for the longest sequence instead, its
+        # split count can differ from the run's, and the run then writes past its split buffers (seen on the H200:
+        # device faults in later kernels and too-fast decode times under CUDA-graph replay).
+        table_len = max(page_table.shape[1] * spec.page_size, 1)
         empty_rows = (lens == 0)[:, None, None] if batch and bool((lens == 0).any()) else None
         scale, window, softcap = spec.scale, _window(spec), spec.softcap or 0.0
         fp8 = spec.kv_dtype is not None
         qkv_dtype = spec.kv_torch_dtype if fp8 else spec.torch_dtype
         pack_gqa, kvh = self.pack_gqa, spec.num_kv_heads
         metadata = get_scheduler_metadata(
-            batch, 1, max_len, spec.num_q_heads, kvh, spec.head_dim, lens, qkv_dtype=qkv_dtype,
+            batch, 1, table_len, spec.num_q_heads, kvh, spec.head_dim, lens, qkv_dtype=qkv_dtype,
             page_size=spec.page_size, causal=True, window_size=window, has_softcap=softcap > 0, num_splits=0,
             pack_gqa=pack_gqa)
 

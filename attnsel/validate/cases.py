@@ -57,6 +57,7 @@ class PrefillCase:
     low_err: float  # error of the plain low-precision computation (sets the tolerance)
     sinks: torch.Tensor | None = None  # float32 [num_q_heads] when spec.sinks
     changed_inputs: list[str] = dataclasses.field(default_factory=list)  # set by run_case
+    rerun_diff: float | None = None  # set by run_case: max abs difference between two runs of one plan
 
     INPUTS = ("cu_q", "cu_k", "q", "k", "v", "sinks")
 
@@ -85,6 +86,7 @@ class DecodeCase:
     k_scale: torch.Tensor | None = None  # float32 [1] when spec.kv_dtype
     v_scale: torch.Tensor | None = None
     changed_inputs: list[str] = dataclasses.field(default_factory=list)
+    rerun_diff: float | None = None
 
     INPUTS = ("page_table", "seq_lens", "q", "k_cache", "v_cache", "sinks", "k_scale", "v_scale")
 
@@ -281,7 +283,9 @@ def decode_case(spec: AttentionSpec, device: torch.device, seed: int = 1) -> Dec
     pages_per_seq = [math.ceil(n / ps) for n in lens]
     spare = 8  # pages nobody uses: half NaN, half large garbage
     num_pages = sum(pages_per_seq) + spare
-    max_pages = max(pages_per_seq) + 2  # every row has unused columns
+    # Every row has unused columns, many of them as in an engine's table sized for the longest possible sequence (a
+    # backend that sizes its work by the table's width, like FA3's scheduler, must get the same answer).
+    max_pages = 2 * max(pages_per_seq) + 3
     k_cache = _garbage((num_pages, ps, kvh, d), gen, kv_dt)
     v_cache = _garbage((num_pages, ps, kvh, d), gen, kv_dt)
     order = torch.randperm(num_pages, generator=gen).tolist()
@@ -350,21 +354,40 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
-    """Plan and run one backend on a validation case; returns its output.
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference; equal values (NaN with NaN, inf with inf included) count 0, NaN against a number inf."""
+    if not a.numel():
+        return 0.0
+    a, b = a.float(), b.float()
+    same = (a == b) | (a.isnan() & b.isnan())
+    return torch.where(same, 0.0, (a - b).abs().nan_to_num(float("inf"))).max().item()
 
+
+def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
+    """Plan one backend on a validation case and run the plan twice; returns the second output.
+
+    Engines plan once per batch and run every layer with that plan, so a run function must be reusable: the two
+    outputs' max abs difference is left in ``case.rerun_diff`` and ``check_output`` rejects a difference above the
+    tolerance (state a kernel leaves behind, like a scheduler counter that is not reset, shows here).
     Every input is copied first and compared bit for bit afterwards (also when the backend raises): inputs the
     backend changed are restored, so the next candidate gets the case intact, and their names are left in
     ``case.changed_inputs``, which makes ``check_output`` reject this output.
     """
     originals = {name: t.clone() for name, t in _inputs(case).items()}
-    case.changed_inputs = []
+    case.changed_inputs, case.rerun_diff = [], None
     try:
         if isinstance(case, PrefillCase):
             run = backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)
-            return run(case.q, case.k, case.v, **run_kwargs(spec, case))
-        run = backend.plan_decode(spec, case.page_table, case.seq_lens)
-        return run(case.q, case.k_cache, case.v_cache, **run_kwargs(spec, case))
+            inputs = (case.q, case.k, case.v)
+        else:
+            run = backend.plan_decode(spec, case.page_table, case.seq_lens)
+            inputs = (case.q, case.k_cache, case.v_cache)
+        first = run(*inputs, **run_kwargs(spec, case))
+        first = first.clone() if isinstance(first, torch.Tensor) else first
+        second = run(*inputs, **run_kwargs(spec, case))
+        if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and first.shape == second.shape:
+            case.rerun_diff = _difference(first, second)
+        return second
     finally:
         for name, original in originals.items():
             current = getattr(case, name)
@@ -381,6 +404,11 @@ def check_output(spec: AttentionSpec, out, case: Case) -> dict:
     if case.changed_inputs:
         return {"status": "rejected", "reason": f"the backend changed its input(s) {', '.join(case.changed_inputs)} "
                                                 f"during plan/run (inputs must be left unchanged; {case.describe()})"}
+    if case.rerun_diff is not None and not case.rerun_diff <= tolerance(spec, case.low_err):
+        return {"status": "rejected", "reason": f"a second run of the same plan differs from the first by "
+                                                f"{case.rerun_diff:.3g} (max abs; tolerance "
+                                                f"{tolerance(spec, case.low_err):.3g}): a plan must give the same "
+                                                f"answer on every run ({case.describe()})"}
     if not isinstance(out, torch.Tensor) or out.shape != case.ref.shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return {"status": "rejected", "reason": f"output shape {got}, expected {tuple(case.ref.shape)}"}
@@ -427,3 +455,87 @@ def outlier_reason(err: float, best_err: float, spec: AttentionSpec) -> str | No
         return (f"max abs error {err:.3g} is far above the best candidate's {best_err:.3g} (limit "
                 f"{OUTLIER_FACTOR:g} x best + {TOL_FLOOR[spec.dtype]:g})")
     return None
+
+
+SPOT_SEQS = 4  # timed outputs: sequences checked per prefill batch
+SPOT_ROWS = 16  # ... query rows at each end of a checked sequence
+SPOT_DECODE_ROWS = 8  # ... decode rows checked per batch
+
+
+def _spread(n: int, k: int) -> list[int]:
+    """Up to k indices spread over range(n), first and last included."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def spot_check(spec: AttentionSpec, phase: str, plan_args: tuple, inputs: tuple, out: torch.Tensor,
+               kwargs: dict) -> str | None:
+    """Check sampled rows of a timed output (a timing workload, not a validation case) against the float32 reference;
+    returns the reason it is wrong, or None.
+
+    The timing runs a plan many times, on shapes the validation case does not have, under CUDA-graph replay: a kernel
+    that is fast there because it skips work, or that reuses stale state, must not win a bucket. Checked: prefill, up
+    to SPOT_SEQS sequences (first, last, longest) and SPOT_ROWS query rows at each end of each; decode, up to
+    SPOT_DECODE_ROWS rows spread over the batch. Tolerance as for the validation cases (``tolerance``), from the plain
+    low-precision computation of the same rows.
+    plan_args/inputs: prefill ``(cu_q, cu_k, max_q, max_k)`` / ``(q, k, v)``; decode ``(page_table, seq_lens)`` /
+    ``(q, k_cache, v_cache)``. kwargs: the run's feature inputs (sinks, k_scale, v_scale).
+    """
+    if not isinstance(out, torch.Tensor) or out.shape != inputs[0].shape[:-1] + (spec.head_dim,):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"output shape {got}, expected {tuple(inputs[0].shape)}"
+    sinks = kwargs.get("sinks")
+    rows, refs, lows = [], [], []
+    if phase == "prefill":
+        cq, ck = plan_args[0].tolist(), plan_args[1].tolist()
+        q, k, v = inputs
+        lens = [cq[i + 1] - cq[i] for i in range(len(cq) - 1)]
+        longest = max(range(len(lens)), key=lambda i: lens[i]) if lens else 0
+        for b in sorted({0, len(lens) - 1, longest} | set(_spread(len(lens), SPOT_SEQS))):
+            lq, lk = lens[b], ck[b + 1] - ck[b]
+            picked = sorted(set(range(min(SPOT_ROWS, lq))) | set(range(max(0, lq - SPOT_ROWS), lq)))
+            for a, e in _runs(picked):  # contiguous query rows [a, e): keys up to the last of them when causal
+                kq = q[cq[b] + a: cq[b] + e]
+                kend = ck[b] + (lk - lq + e if spec.causal or spec.sliding_window is not None else lk)
+                kk, vv = k[ck[b]:kend], v[ck[b]:kend]
+                rows.append(torch.arange(cq[b] + a, cq[b] + e))
+                refs.append(_attention(spec, kq, kk, vv, sinks, torch.float32))
+                lows.append(_attention(spec, kq, kk, vv, sinks, spec.torch_dtype))
+    else:
+        page_table, seq_lens = plan_args
+        q, k_cache, v_cache = inputs
+        ps, lens = spec.page_size, seq_lens.tolist()
+        k_scale, v_scale = kwargs.get("k_scale"), kwargs.get("v_scale")
+        for b in _spread(len(lens), SPOT_DECODE_ROWS):
+            pages = page_table[b, :math.ceil(lens[b] / ps)].long()
+            kk = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:lens[b]].float()
+            vv = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:lens[b]].float()
+            if k_scale is not None:
+                kk, vv = kk * k_scale.float(), vv * v_scale.float()
+            rows.append(torch.tensor([b]))
+            refs.append(_attention(spec, q[b:b + 1], kk, vv, sinks, torch.float32))
+            lows.append(_attention(spec, q[b:b + 1], kk, vv, sinks, spec.torch_dtype))
+    if not rows:
+        return None
+    index = torch.cat(rows).to(out.device)
+    got, ref, low = out[index].float(), torch.cat(refs), torch.cat(lows)
+    if not torch.isfinite(got).all():
+        return f"NaN or inf in the output (rows {index[~torch.isfinite(got).flatten(1).all(1)].tolist()[:4]})"
+    tol = tolerance(spec, max_abs_err(low, ref))
+    err = max_abs_err(got, ref)
+    if not err <= tol:
+        worst = int(index[(got - ref).abs().flatten(1).amax(1).argmax()])
+        return f"max abs error {err:.3g} exceeds tolerance {tol:.3g} (worst in row {worst})"
+    return None
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """Sorted integers as half-open runs of consecutive values: [0, 1, 2, 7, 8] -> [(0, 3), (7, 9)]."""
+    runs = []
+    for x in values:
+        if runs and runs[-1][1] == x:
+            runs[-1] = (runs[-1][0], x + 1)
+        else:
+            runs.append((x, x + 1))
+    return runs

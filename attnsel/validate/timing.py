@@ -9,6 +9,9 @@ Timing rules (what a number in a report means):
 - Candidates are interleaved: repetition r times every candidate once (in an order rotated each repetition) before
   repetition r + 1 starts; a bucket's number per candidate is the median over ``REPS`` samples of the time per call,
   and its spread is (max - min) / median of those samples.
+- Checked: after the timing, the output of the timed plan (eager: one more call; graph: the first and last input
+  set as the last replay wrote them) is compared with the float32 reference on sampled rows (cases.spot_check); a
+  wrong candidate gets no time in that bucket, with the reason.
 - Eager: a sample is m consecutive ``run`` calls (host launch cost included: an engine in eager mode pays it).
   Graph: one CUDA graph per candidate and bucket holds one call per input set; a sample is m replays. A candidate
   whose capture fails gets no time in that bucket, with the reason.
@@ -27,7 +30,7 @@ import torch
 
 from ..spec import AttentionSpec
 from . import seconds_from_env
-from .cases import cumulative
+from .cases import cumulative, spot_check
 
 GRID_VERSION = 1  # part of the dispatch-table cache key: bump when the grids or the timing rules change
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
@@ -293,10 +296,12 @@ def _first_line(exc: BaseException) -> str:
 
 @dataclasses.dataclass
 class _Timed:
-    """One candidate prepared for one bucket: unit() runs `calls` calls (eager: from the shared cursor)."""
+    """One candidate prepared for one bucket: unit() runs `calls` calls (eager: from the shared cursor); outputs()
+    gives (input set index, output) pairs to check once the timing is done."""
 
     unit: Callable[[int], None]
     calls: int
+    outputs: Callable[[], list[tuple[int, torch.Tensor]]]
     repeat: int = 1
 
 
@@ -305,15 +310,16 @@ def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: l
     plan = backend.plan_prefill if phase == "prefill" else backend.plan_decode
     run = functools.partial(plan(spec, *plan_args), **feature_inputs(spec, phase, device))
     if mode == "graph":
-        graph, _outs = capture(run, sets, device)
-        return _Timed(lambda cursor, g=graph, o=_outs: g.replay(), len(sets))
+        graph, outs = capture(run, sets, device)
+        # after the timed replays: the first and the last set's outputs, as the last replay wrote them
+        return _Timed(lambda cursor: graph.replay(), len(sets), lambda: [(0, outs[0]), (len(outs) - 1, outs[-1])])
     count = len(sets)
 
     def unit(cursor: int) -> None:
         run(*sets[cursor % count])
 
     unit(0)  # warm-up (lazy initialisation, first-call autotuning)
-    return _Timed(unit, 1)
+    return _Timed(unit, 1, lambda: [(count - 1, run(*sets[-1]))])  # one more call of the plan, after the timing
 
 
 def _sample(item: _Timed, cursor: int, device: torch.device) -> float:
@@ -371,6 +377,11 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
                 errors[name] = f"raised {type(exc).__name__}: {_first_line(exc)}"
                 del prepared[name]
             cursor += item.repeat
+    for name, item in list(prepared.items()):  # a fast wrong answer must not win: check what the timed plan computed
+        reason = _timed_output_reason(item, spec, phase, plan_args, sets, device)
+        if reason:
+            errors[name] = f"wrong output after the timed {mode} runs: {reason}"
+            del prepared[name]
     us, spread = {}, {}
     for name, values in samples.items():
         if name in prepared and values:
@@ -381,6 +392,20 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"us": us, "spread": spread, "errors": errors}
+
+
+def _timed_output_reason(item: _Timed, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple],
+                         device: torch.device) -> str | None:
+    try:
+        outputs = item.outputs()
+        _sync(device)
+        for index, out in outputs:
+            reason = spot_check(spec, phase, plan_args, sets[index], out, feature_inputs(spec, phase, device))
+            if reason:
+                return f"input set {index + 1} of {len(sets)}: {reason}"
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {_first_line(exc)}"
+    return None
 
 
 def _free_bytes(device: torch.device) -> int | None:
