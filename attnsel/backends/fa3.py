@@ -6,7 +6,8 @@ kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_de
 is_causal, window_size_left, window_size_right, attention_chunk, softcap, is_rotary_interleaved,
 scheduler_metadata, num_splits, pack_gqa, sm_margin, sinks): the Python wrappers add a ``torch.library.custom_op``
 layer that costs ~100 us of host time per call (docs/ARCHITECTURE.md), more than a small decode's kernel. Decode
-scheduling metadata is computed once in plan, with the same window/softcap/split/pack settings as the call.
+passes no precomputed scheduling metadata: shared by every run of a plan, it made back-to-back runs (a CUDA graph
+of many calls) compute wrong outputs on the H200 (see plan_decode); each run prepares its own.
 
 Features: sliding window as ``window_size=(w - 1, 0)``; sinks (the op takes them as bfloat16 ``[num_q_heads]``);
 softcap only where the build has it (tokenspeed-fa3 3.0.0 is built with FLASHATTENTION_DISABLE_SOFTCAP); an fp8
@@ -141,25 +142,20 @@ class FA3Backend:
         return run
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
-        from flash_attn_interface import get_scheduler_metadata
+        import flash_attn_interface  # noqa: F401  registers torch.ops.flash_attn_3
 
         page_table = page_table.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         batch = lens.numel()
-        # FA3 sizes a paged run by the table (seqlen_k = columns x page_size), so the precomputed scheduler metadata
-        # must be planned for that length too (as FA3's own tests do): planned for the longest sequence instead, its
-        # split count can differ from the run's, and the run then writes past its split buffers (seen on the H200:
-        # device faults in later kernels and too-fast decode times under CUDA-graph replay).
-        table_len = max(page_table.shape[1] * spec.page_size, 1)
+        # No precomputed scheduler metadata (get_scheduler_metadata): its tile counter is shared by every run of the
+        # plan and reset by the run's last kernel, while the next run's attention kernel may already start (FA3 launches
+        # with programmatic dependent launch). Runs back to back, as in a CUDA graph of many calls, then skip or repeat
+        # tiles: on the H200, wrong outputs, decode "faster" than HBM and device faults in later kernels. Without it,
+        # every run prepares its own counter (one small kernel more per call).
         empty_rows = (lens == 0)[:, None, None] if batch and bool((lens == 0).any()) else None
         scale, window, softcap = spec.scale, _window(spec), spec.softcap or 0.0
         fp8 = spec.kv_dtype is not None
-        qkv_dtype = spec.kv_torch_dtype if fp8 else spec.torch_dtype
         pack_gqa, kvh = self.pack_gqa, spec.num_kv_heads
-        metadata = get_scheduler_metadata(
-            batch, 1, table_len, spec.num_q_heads, kvh, spec.head_dim, lens, qkv_dtype=qkv_dtype,
-            page_size=spec.page_size, causal=True, window_size=window, has_softcap=softcap > 0, num_splits=0,
-            pack_gqa=pack_gqa)
 
         def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,7 +171,7 @@ class FA3Backend:
                 q_in = q
             out = _fwd(q_in.unsqueeze(1), k_cache, v_cache, seqused_k=lens, page_table=page_table,
                        softmax_scale=scale, causal=True, window=window, softcap=softcap,
-                       scheduler_metadata=metadata, num_splits=0, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks),
+                       num_splits=0, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks),
                        **descale).squeeze(1)
             if out.dtype != q.dtype:  # fp8 inputs give bf16
                 out = out.to(q.dtype)
