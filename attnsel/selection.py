@@ -344,19 +344,20 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
             tq, q1, q2 = q.shape
         except (AttributeError, ValueError):
             tq = -1
-        if (tq < 0 or q1 != hq or q2 != d or q.dtype != dt or q.get_device() != device
+        if (tq < 0 or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device
                 or (total_q is not None and tq != total_q)):
             raise _expect("q", q, (total_q, hq, d), dt, device)
         try:
             tk, k1, k2 = k.shape
         except (AttributeError, ValueError):
             tk = -1
-        if (tk < 0 or k1 != hk or k2 != d or k.dtype != dt or k.get_device() != device
+        if (tk < 0 or k1 != hk or k2 != d or k.dtype is not dt or k.get_device() != device
                 or (total_k is not None and tk != total_k)):
             raise _expect("k", k, (total_k, hk, d), dt, device)
-        if not isinstance(v, torch.Tensor) or v.shape != k.shape or v.dtype != dt or v.get_device() != device:
+        if not isinstance(v, torch.Tensor) or v.shape != k.shape or v.dtype is not dt or v.get_device() != device:
             raise _expect("v", v, (tk, hk, d), dt, device)
-        _check_unit_stride(q=q, k=k, v=v)
+        if d > 1 and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
+            _check_unit_stride(q=q, k=k, v=v)
         if kwargs or not plain:
             _check_features(spec, kwargs, "prefill")
         return run(q, k, v, **kwargs)
@@ -375,18 +376,19 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
             b, q1, q2 = q.shape
         except (AttributeError, ValueError):
             b = -1
-        if b != batch or q1 != hq or q2 != d or q.dtype != dt or q.get_device() != device:
+        if b != batch or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device:
             raise _expect("q", q, (batch, hq, d), dt, device)
         try:
             _, p, k1, k2 = k_cache.shape
         except (AttributeError, ValueError):
             p = -1
-        if p != ps or k1 != hk or k2 != d or k_cache.dtype != kdt or k_cache.get_device() != device:
+        if p != ps or k1 != hk or k2 != d or k_cache.dtype is not kdt or k_cache.get_device() != device:
             raise _expect("k_cache", k_cache, (None, ps, hk, d), kdt, device)
-        if (not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype != kdt
+        if (not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype is not kdt
                 or v_cache.get_device() != device):
             raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
-        _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
+        if d > 1 and (q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+            _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
         if kwargs or not plain:
             _check_features(spec, kwargs, "decode")
         return run(q, k_cache, v_cache, **kwargs)
