@@ -4,10 +4,12 @@ Loaded through ATTNSEL_BACKENDS="tests.fault_backends:ALL", exactly like a user'
 
 "sticky" and "poison" break the process the way a CUDA kernel fault breaks a CUDA context: every later attention
 call in the same process raises (SDPA is replaced by a function that raises, in this process only). "sticky" raises
-itself; "poison" returns a correct output first, as an asynchronous fault that surfaces later would.
+itself; "poison" returns correct outputs (the validation runs a plan twice) and breaks the process after its second
+run, as an asynchronous fault that surfaces only after the candidate is done would: the health probe must catch it.
 """
 import ctypes
 import importlib
+import itertools
 import os
 import signal
 import sys
@@ -39,7 +41,7 @@ def in_worker() -> bool:
     return getattr(getattr(main, "__spec__", None), "name", None) == "attnsel.validate.worker"
 
 
-def _fault(kind: str, out_fn):
+def _fault(kind: str, out_fn, calls=None):
     if kind == "import_error":
         importlib.import_module("attnsel_missing_kernel_lib")
     if kind == "raise":
@@ -54,7 +56,7 @@ def _fault(kind: str, out_fn):
         break_process()
         raise RuntimeError(BROKEN_CONTEXT)
     out = out_fn()
-    if kind == "poison":
+    if kind == "poison" and (calls is None or next(calls) >= 1):
         break_process()
     if kind == "nan":
         out[0, 0, 0] = float("nan")
@@ -76,13 +78,15 @@ class FaultBackend:
         run = TORCH.plan_prefill(spec, cu_q, cu_k, max_q, max_k)
         if self.phase != "prefill":
             return run
-        return lambda q, k, v: _fault(self.fault, lambda: run(q, k, v))
+        calls = itertools.count()
+        return lambda q, k, v: _fault(self.fault, lambda: run(q, k, v), calls)
 
     def plan_decode(self, spec, page_table, seq_lens):
         run = TORCH.plan_decode(spec, page_table, seq_lens)
         if self.phase != "decode":
             return run
-        return lambda q, kc, vc: _fault(self.fault, lambda: run(q, kc, vc))
+        calls = itertools.count()
+        return lambda q, kc, vc: _fault(self.fault, lambda: run(q, kc, vc), calls)
 
 
 ALL = [FaultBackend(f, p) for p in ("prefill", "decode") for f in FAULTS]
