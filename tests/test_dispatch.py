@@ -466,6 +466,41 @@ def test_a_candidate_fast_and_wrong_when_timed_gets_no_time(phase, shape, mode, 
     assert reason.startswith(f"wrong output after the timed {mode} runs: input set ") and "exceeds tolerance" in reason
 
 
+def test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph(monkeypatch):
+    """A CUDA graph holds device pointers, not Python references: the timing must keep each candidate's run function
+    (and the buffers its plan allocated) alive while the graph is replayed. On the H200 the Triton plan's split buffers
+    were freed after capture, handed to the torch plan's gather indices, and overwritten by Triton's replays (device
+    assert in torch's gather, 2026-12-03). Here the fake capture, like a real graph, keeps no reference to run."""
+    import gc
+    import types
+    import weakref
+
+    monkeypatch.setattr(timing, "capture", lambda run, sets, device: (
+        types.SimpleNamespace(replay=lambda: None), [run(*s) for s in sets]))
+    refs = []
+
+    class Tracked:
+        name = "tracked"
+
+        def plan_decode(self, spec, page_table, seq_lens):
+            inner = TORCH.plan_decode(spec, page_table, seq_lens)
+
+            def run(q, k, v):
+                return inner(q, k, v)
+
+            refs.append(weakref.ref(run))
+            return run
+
+    plan_args, sets = timing.rotated_workloads(SPEC, "decode", (2, 32), torch.device("cpu"))
+    item = timing._prepare(Tracked(), SPEC, "decode", plan_args, sets, "graph", torch.device("cpu"))
+    gc.collect()
+    assert refs[0]() is not None, "the plan died while its graph can still be replayed"
+    item.unit(0)
+    del item
+    gc.collect()
+    assert refs[0]() is None
+
+
 def test_bench_grid_differs_from_the_timed_buckets():
     from attnsel import bench
 

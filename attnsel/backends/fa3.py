@@ -6,8 +6,7 @@ kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_de
 is_causal, window_size_left, window_size_right, attention_chunk, softcap, is_rotary_interleaved,
 scheduler_metadata, num_splits, pack_gqa, sm_margin, sinks): the Python wrappers add a ``torch.library.custom_op``
 layer that costs ~100 us of host time per call (docs/ARCHITECTURE.md), more than a small decode's kernel. Decode
-passes no precomputed scheduling metadata: shared by every run of a plan, it made back-to-back runs (a CUDA graph
-of many calls) compute wrong outputs on the H200 (see plan_decode); each run prepares its own.
+passes no precomputed scheduling metadata (mutable state shared by every run of a plan); each run prepares its own.
 
 Features: sliding window as ``window_size=(w - 1, 0)``; sinks (the op takes them as bfloat16 ``[num_q_heads]``);
 softcap only where the build has it (tokenspeed-fa3 3.0.0 is built with FLASHATTENTION_DISABLE_SOFTCAP); an fp8
@@ -147,11 +146,11 @@ class FA3Backend:
         page_table = page_table.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         batch = lens.numel()
-        # No precomputed scheduler metadata (get_scheduler_metadata): its tile counter is shared by every run of the
-        # plan and reset by the run's last kernel, while the next run's attention kernel may already start (FA3 launches
-        # with programmatic dependent launch). Runs back to back, as in a CUDA graph of many calls, then skip or repeat
-        # tiles: on the H200, wrong outputs, decode "faster" than HBM and device faults in later kernels. Without it,
-        # every run prepares its own counter (one small kernel more per call).
+        # No precomputed scheduler metadata (get_scheduler_metadata): it holds a tile counter that every run of the
+        # plan shares and resets, i.e. mutable device state. Without it every run prepares its own (one small kernel
+        # more per call), so runs of one plan share nothing. (The wrong FA3 outputs seen on the H200 under graph
+        # replay with metadata came from the timing harness freeing the plan while its graph was replayed, since
+        # fixed in validate/timing.py; the metadata itself was not shown to be wrong.)
         empty_rows = (lens == 0)[:, None, None] if batch and bool((lens == 0).any()) else None
         scale, window, softcap = spec.scale, _window(spec), spec.softcap or 0.0
         fp8 = spec.kv_dtype is not None

@@ -253,7 +253,8 @@ def as_graph(run, inputs, device: torch.device):
 
 def capture(run, sets: list[tuple], device: torch.device) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
     """One CUDA graph holding run(*s) for every input set s (after a warm-up call outside capture); returns the
-    graph and the outputs it writes. Raises what the capture raises."""
+    graph and the outputs it writes. Raises what the capture raises. The caller keeps ``run`` (and so the buffers
+    its plan allocated) alive as long as the graph: the graph holds device pointers only."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -297,11 +298,14 @@ def _first_line(exc: BaseException) -> str:
 @dataclasses.dataclass
 class _Timed:
     """One candidate prepared for one bucket: unit() runs `calls` calls (eager: from the shared cursor); outputs()
-    gives (input set index, output) pairs to check once the timing is done."""
+    gives (input set index, output) pairs to check once the timing is done. plan: the run function, kept alive as
+    long as its graph (a CUDA graph holds device pointers, not Python references: a plan freed while its graph is
+    replayed lets the graph write into memory the allocator has handed to someone else)."""
 
     unit: Callable[[int], None]
     calls: int
     outputs: Callable[[], list[tuple[int, torch.Tensor]]]
+    plan: Callable
     repeat: int = 1
 
 
@@ -312,14 +316,14 @@ def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: l
     if mode == "graph":
         graph, outs = capture(run, sets, device)
         # after the timed replays: the first and the last set's outputs, as the last replay wrote them
-        return _Timed(lambda cursor: graph.replay(), len(sets), lambda: [(0, outs[0]), (len(outs) - 1, outs[-1])])
+        return _Timed(lambda cursor: graph.replay(), len(sets), lambda: [(0, outs[0]), (len(outs) - 1, outs[-1])], run)
     count = len(sets)
 
     def unit(cursor: int) -> None:
         run(*sets[cursor % count])
 
     unit(0)  # warm-up (lazy initialisation, first-call autotuning)
-    return _Timed(unit, 1, lambda: [(count - 1, run(*sets[-1]))])  # one more call of the plan, after the timing
+    return _Timed(unit, 1, lambda: [(count - 1, run(*sets[-1]))], run)  # outputs(): one more call, after the timing
 
 
 def _sample(item: _Timed, cursor: int, device: torch.device) -> float:
