@@ -462,7 +462,8 @@ class Selection:
         (``cu_seqlens_q.shape[0] - 1``), ``total_q`` (query tokens in the batch) and ``max_seqlen_q``. When
         ``total_q`` is None it is taken as ``num_seqs * max_seqlen_q``: exact for equal lengths, an overestimate for
         ragged batches (pass it). The run function checks q/k/v against the spec, q's token count against
-        ``total_q`` and k's against ``total_k`` when given, and raises ValueError naming the argument."""
+        ``total_q`` and k's against ``total_k`` when given, and raises ValueError naming the argument. Keep the run
+        function alive as long as any CUDA graph that captured it may be replayed (it owns the plan's buffers)."""
         check_prefill_metadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         n = cu_seqlens_q.shape[0] - 1
         name = self.prefill_backend_for(n, total_q if total_q is not None else n * max_seqlen_q, max_seqlen_q)
@@ -475,7 +476,8 @@ class Selection:
         ``max_seq_len`` is None it is taken as ``page_table.shape[1] * page_size``, the longest context the page
         table can hold (an overestimate when the table is wider than needed: pass it). In mode "graph" only the
         batch size matters. The run function checks q and the caches against the spec and raises ValueError naming
-        the argument."""
+        the argument. It owns the plan's device buffers: keep it alive as long as any CUDA graph that captured it
+        may be replayed (a graph holds device pointers only; a freed plan's memory goes to the next allocation)."""
         check_decode_metadata(page_table, seq_lens, max_seq_len)
         batch = seq_lens.shape[0]
         ctx = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
