@@ -356,7 +356,8 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
             raise _expect("k", k, (total_k, hk, d), dt, device)
         if not isinstance(v, torch.Tensor) or v.shape != k.shape or v.dtype is not dt or v.get_device() != device:
             raise _expect("v", v, (tk, hk, d), dt, device)
-        if d > 1 and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
+        if (d > 1 and not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # the cheap common case
+                and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1)):
             _check_unit_stride(q=q, k=k, v=v)
         if kwargs or not plain:
             _check_features(spec, kwargs, "prefill")
@@ -387,7 +388,8 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
         if (not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype is not kdt
                 or v_cache.get_device() != device):
             raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
-        if d > 1 and (q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+        if (d > 1 and not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+                and (q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1)):
             _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
         if kwargs or not plain:
             _check_features(spec, kwargs, "decode")
