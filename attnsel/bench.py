@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -260,6 +261,14 @@ def plot(cells: list[Cell], path: Path) -> None:
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace path's content at once (a bench killed mid-write leaves the previous spec's file, not half of one)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, out: str, quick: bool,
@@ -305,9 +314,9 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
         props = torch.cuda.get_device_properties(device)
         header = (f"# attnsel bench on {props.name} ({time.strftime('%Y-%m-%d')}), torch {torch.__version__}; times "
                   f"are medians of {timing.REPS} interleaved CUDA-event samples per cell (inputs rotated to read from "
-                  "HBM; each timed output checked against the float32 reference); ratios are within this run")
-        (out_dir / "bench.md").write_text(markdown(cells, probe, rows, summary, header))
-        (out_dir / "bench.json").write_text(json.dumps(
+                  "HBM; sampled rows of each timed plan's output checked against the float32 reference); ratios are within this run")
+        _write(out_dir / "bench.md", markdown(cells, probe, rows, summary, header))
+        _write(out_dir / "bench.json", json.dumps(
             {"probe": probe, "checks": checks, "cells": [dataclasses.asdict(c) for c in cells], "comparison": rows,
              "summary": summary, "selections": selections, "wall_s": time.perf_counter() - t0}, indent=1))
         plot(cells, out_dir / "bench.png")

@@ -8,6 +8,8 @@
 - off_by_one: the torch output plus 1.0.
 - stale_plan / stale_when_timed: right on the first one / two runs of a plan, then half the rows zero (a plan that
   cannot be reused: the validation runs a plan twice; the timing checks what its many runs computed).
+- skip_work: every run returns one plan-owned buffer, computed on the first run only (later runs skip their work);
+  one_buffer: the same buffer recomputed on every run (correct: must pass).
 - mutate_prefill / mutate_decode: correct output, then ``q.mul_(2)``; scribble_cache: correct output, then NaN
   written into the key cache's first page; mutate_then_raise: ``q.mul_(2)`` then raises.
 - sloppy: attention computed in the activation dtype by plain matmul/softmax (what the tolerance is derived from).
@@ -190,7 +192,31 @@ def _stale_after(first_good: int):
     return wrap
 
 
+def _one_buffer(skip_after_first: bool):
+    """plan function of the torch backend whose runs all return one plan-owned output buffer: recomputed on every
+    run (a legitimate design), or computed on the first run only and handed back untouched afterwards (a kernel that
+    skips its work: the buffer still holds a right answer unless someone cleared it)."""
+    def wrap(plan):
+        def wrapped(spec, *plan_args):
+            run, buf = plan(spec, *plan_args), []
+
+            def run_into_buffer(*inputs, **kwargs):
+                if not buf:
+                    buf.append(run(*inputs, **kwargs))
+                elif not skip_after_first:
+                    buf[0].copy_(run(*inputs, **kwargs))
+                return buf[0]
+
+            return run_into_buffer
+
+        return wrapped
+
+    return wrap
+
+
 OLD_TORCH = Plugin("old_torch", plan_decode=old_torch_plan_decode)
+SKIP_WORK = Plugin("skip_work", _one_buffer(True)(TORCH.plan_prefill), _one_buffer(True)(TORCH.plan_decode))
+ONE_BUFFER = Plugin("one_buffer", _one_buffer(False)(TORCH.plan_prefill), _one_buffer(False)(TORCH.plan_decode))
 STALE_PLAN = Plugin("stale_plan", _stale_after(1)(TORCH.plan_prefill), _stale_after(1)(TORCH.plan_decode))
 STALE_WHEN_TIMED = Plugin("stale_when_timed", _stale_after(2)(TORCH.plan_prefill), _stale_after(2)(TORCH.plan_decode))
 TOP_LEFT = Plugin("top_left", plan_prefill=top_left_plan_prefill)
@@ -220,7 +246,7 @@ FEATURE_BUGS = {
     "swap_kv_scale": Plugin("swap_kv_scale", plan_decode=_scales(lambda k, v: (v, k))),
 }
 
-ALL = [OLD_TORCH, STALE_PLAN, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE, SCRIBBLE_CACHE, MUTATE_THEN_RAISE,
+ALL = [OLD_TORCH, STALE_PLAN, SKIP_WORK, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE, SCRIBBLE_CACHE, MUTATE_THEN_RAISE,
        SLOPPY,
        *FEATURE_BUGS.values()]
 TORCH_COPY = Plugin("torch_copy")  # the torch backend under another name (a fallback next to BROKEN_TORCH)

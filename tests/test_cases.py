@@ -254,6 +254,25 @@ def test_a_plan_that_goes_wrong_on_its_second_run_is_rejected(phase):
     assert "a second run of the same plan differs from the first" in result["reason"]
     assert case.rerun_diff > cases.tolerance(SPEC, case.low_err)
     assert judge(TORCH, SPEC, phase)["status"] == "valid"
+    fresh = cases.make_case(SPEC, phase, CPU)  # its first run alone is right: only the second run shows the fault
+    plan = faults.STALE_PLAN.plan_prefill if phase == "prefill" else faults.STALE_PLAN.plan_decode
+    args = ((fresh.cu_q, fresh.cu_k, fresh.max_q, fresh.max_k), (fresh.q, fresh.k, fresh.v)) if phase == "prefill" \
+        else ((fresh.page_table, fresh.seq_lens), (fresh.q, fresh.k_cache, fresh.v_cache))
+    assert cases.check_output(SPEC, plan(SPEC, *args[0])(*args[1]), fresh)["status"] == "valid"
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_plan_that_skips_its_work_after_the_first_run_is_rejected(phase):
+    """A second run that writes nothing and hands back the first run's (right) buffer must not pass: the first output
+    is NaN-filled before the second run."""
+    result = judge(faults.SKIP_WORK, SPEC, phase)
+    assert result["status"] == "rejected"
+    assert "a second run of the same plan differs from the first by inf" in result["reason"]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_plan_that_recomputes_into_one_buffer_is_valid(phase):
+    assert judge(faults.ONE_BUFFER, SPEC, phase)["status"] == "valid"
 
 
 def test_rerun_difference_ignores_matching_nan_and_inf():
@@ -261,6 +280,21 @@ def test_rerun_difference_ignores_matching_nan_and_inf():
     assert cases._difference(a, a.clone()) == 0.0
     assert cases._difference(a, torch.tensor([1.0, 0.0, float("inf"), 2.5])) == float("inf")
     assert cases._difference(a, torch.tensor([1.0, float("nan"), float("inf"), 2.5])) == 0.5
+    assert cases._difference(a, torch.tensor([1.0, float("inf"), float("inf"), 2.0])) == float("inf")  # nan vs inf
+
+
+def test_grouped_reference_matches_a_per_head_loop():
+    """reference_attention computes the heads of a GQA group as rows of one matmul; against a loop over heads with
+    the KV head h // group, every feature on."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(5, 8, 16, generator=gen), torch.randn(9, 2, 16, generator=gen), torch.randn(9, 2, 16,
+                                                                                                      generator=gen)
+    sinks = torch.randn(8, generator=gen)
+    got = cases.reference_attention(q, k, v, 0.3, True, window=4, softcap=2.0, sinks=sinks)
+    for h in range(8):
+        one = cases.reference_attention(q[:, h:h + 1], k[:, h // 4:h // 4 + 1], v[:, h // 4:h // 4 + 1], 0.3, True,
+                                        window=4, softcap=2.0, sinks=sinks[h:h + 1])
+        assert torch.allclose(got[:, h], one[:, 0], atol=1e-6)
 
 
 def test_decode_table_is_much_wider_than_the_longest_sequence():

@@ -116,13 +116,13 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     sinks ``[H]``: one extra logit per head in the softmax denominator, with no value. Lk == 0 gives zeros.
     """
     lq, heads, d = q.shape
-    lk = k.shape[0]
+    lk, kvh = k.shape[0], k.shape[1]
     if lk == 0:
         return torch.zeros(lq, heads, v.shape[-1], dtype=dtype, device=q.device)
-    q, k, v = (t.to(dtype).transpose(0, 1) for t in (q, k, v))  # [H, S, D]
-    group = heads // k.shape[0]
-    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    scores = (q @ k.transpose(1, 2)) * scale
+    group = heads // kvh
+    q, k, v = (t.to(dtype).transpose(0, 1) for t in (q, k, v))  # [H, Lq, D], [KVH, Lk, D]
+    # query head h reads KV head h // group: the heads of one group as rows of one matmul (no copy of K/V per head)
+    scores = (q.reshape(kvh, group * lq, d) @ k.transpose(1, 2)).view(heads, lq, lk) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if causal or window is not None:
@@ -137,7 +137,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :lk]
     else:
         probs = scores.softmax(-1)
-    return (probs @ v).transpose(0, 1)
+    out = probs.reshape(kvh, group * lq, lk) @ v  # [KVH, G * Lq, Dv]
+    return out.view(heads, lq, v.shape[-1]).transpose(0, 1)
 
 
 def _attention(spec: AttentionSpec, q, k, v, sinks, dtype) -> torch.Tensor:
@@ -360,7 +361,8 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     a, b = a.float(), b.float()
     same = (a == b) | (a.isnan() & b.isnan())
-    return torch.where(same, 0.0, (a - b).abs().nan_to_num(float("inf"))).max().item()
+    inf = float("inf")
+    return torch.where(same, 0.0, (a - b).abs().nan_to_num(nan=inf, posinf=inf)).max().item()
 
 
 def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
@@ -368,7 +370,9 @@ def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
 
     Engines plan once per batch and run every layer with that plan, so a run function must be reusable: the two
     outputs' max abs difference is left in ``case.rerun_diff`` and ``check_output`` rejects a difference above the
-    tolerance (state a kernel leaves behind, like a scheduler counter that is not reset, shows here).
+    tolerance (state a kernel leaves behind, like a scheduler counter that is not reset, shows here). The first
+    output is filled with NaN before the second run, so a second run that skips its work and hands back the first
+    run's buffer (or the same memory) returns NaN, not a stale right answer.
     Every input is copied first and compared bit for bit afterwards (also when the backend raises): inputs the
     backend changed are restored, so the next candidate gets the case intact, and their names are left in
     ``case.changed_inputs``, which makes ``check_output`` reject this output.
@@ -382,11 +386,15 @@ def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
         else:
             run = backend.plan_decode(spec, case.page_table, case.seq_lens)
             inputs = (case.q, case.k_cache, case.v_cache)
-        first = run(*inputs, **run_kwargs(spec, case))
-        first = first.clone() if isinstance(first, torch.Tensor) else first
+        out = run(*inputs, **run_kwargs(spec, case))
+        first = out.clone() if isinstance(out, torch.Tensor) else out
+        if (isinstance(out, torch.Tensor) and out.is_floating_point()
+                and all(out.data_ptr() != t.data_ptr() for t in _inputs(case).values())):
+            out.fill_(float("nan"))  # held until the second run returns: a run that writes nothing shows as NaN
         second = run(*inputs, **run_kwargs(spec, case))
         if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and first.shape == second.shape:
             case.rerun_diff = _difference(first, second)
+        del out
         return second
     finally:
         for name, original in originals.items():
@@ -469,35 +477,44 @@ def _spread(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
-def spot_check(spec: AttentionSpec, phase: str, plan_args: tuple, inputs: tuple, out: torch.Tensor,
-               kwargs: dict) -> str | None:
-    """Check sampled rows of a timed output (a timing workload, not a validation case) against the float32 reference;
-    returns the reason it is wrong, or None.
+@dataclasses.dataclass
+class SpotReference:
+    """The float32 reference of sampled rows of one timing workload: rows (index into the output's first dim),
+    ref ``[rows, H, D]`` float32, tol (as for the validation cases, from the plain low-precision computation),
+    tokens (the output's expected first dim)."""
+
+    rows: torch.Tensor
+    ref: torch.Tensor
+    tol: float
+    tokens: int
+
+
+def spot_reference(spec: AttentionSpec, phase: str, plan_args: tuple, inputs: tuple, kwargs: dict) -> SpotReference:
+    """The reference of sampled rows of a timed output (a timing workload, not a validation case).
 
     The timing runs a plan many times, on shapes the validation case does not have, under CUDA-graph replay: a kernel
-    that is fast there because it skips work, or that reuses stale state, must not win a bucket. Checked: prefill, up
-    to SPOT_SEQS sequences (first, last, longest) and SPOT_ROWS query rows at each end of each; decode, up to
-    SPOT_DECODE_ROWS rows spread over the batch. Tolerance as for the validation cases (``tolerance``), from the plain
-    low-precision computation of the same rows.
+    that is fast there because it skips work, or that reuses stale state, must not win a bucket. Sampled: prefill,
+    SPOT_SEQS sequences spread over the batch plus the longest, SPOT_ROWS query rows at each end of each; decode,
+    SPOT_DECODE_ROWS rows spread over the batch. Computed once per bucket and input set, shared by the candidates.
     plan_args/inputs: prefill ``(cu_q, cu_k, max_q, max_k)`` / ``(q, k, v)``; decode ``(page_table, seq_lens)`` /
     ``(q, k_cache, v_cache)``. kwargs: the run's feature inputs (sinks, k_scale, v_scale).
     """
-    if not isinstance(out, torch.Tensor) or out.shape != inputs[0].shape[:-1] + (spec.head_dim,):
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return f"output shape {got}, expected {tuple(inputs[0].shape)}"
     sinks = kwargs.get("sinks")
     rows, refs, lows = [], [], []
     if phase == "prefill":
         cq, ck = plan_args[0].tolist(), plan_args[1].tolist()
         q, k, v = inputs
         lens = [cq[i + 1] - cq[i] for i in range(len(cq) - 1)]
-        longest = max(range(len(lens)), key=lambda i: lens[i]) if lens else 0
-        for b in sorted({0, len(lens) - 1, longest} | set(_spread(len(lens), SPOT_SEQS))):
+        picked_seqs = set(_spread(len(lens), SPOT_SEQS))
+        if lens:
+            picked_seqs.add(max(range(len(lens)), key=lambda i: lens[i]))
+        for b in sorted(picked_seqs):
             lq, lk = lens[b], ck[b + 1] - ck[b]
             picked = sorted(set(range(min(SPOT_ROWS, lq))) | set(range(max(0, lq - SPOT_ROWS), lq)))
             for a, e in _runs(picked):  # contiguous query rows [a, e): keys up to the last of them when causal
                 kq = q[cq[b] + a: cq[b] + e]
-                kend = ck[b] + (lk - lq + e if spec.causal or spec.sliding_window is not None else lk)
+                masked = spec.causal or spec.sliding_window is not None
+                kend = ck[b] + (min(lk, max(0, lk - lq + e)) if masked else lk)
                 kk, vv = k[ck[b]:kend], v[ck[b]:kend]
                 rows.append(torch.arange(cq[b] + a, cq[b] + e))
                 refs.append(_attention(spec, kq, kk, vv, sinks, torch.float32))
@@ -517,17 +534,37 @@ def spot_check(spec: AttentionSpec, phase: str, plan_args: tuple, inputs: tuple,
             refs.append(_attention(spec, q[b:b + 1], kk, vv, sinks, torch.float32))
             lows.append(_attention(spec, q[b:b + 1], kk, vv, sinks, spec.torch_dtype))
     if not rows:
+        empty = torch.zeros(0, dtype=torch.long)
+        return SpotReference(empty, torch.zeros(0, spec.num_q_heads, spec.head_dim), TOL_FLOOR[spec.dtype],
+                             inputs[0].shape[0])
+    ref, low = torch.cat(refs), torch.cat(lows)
+    return SpotReference(torch.cat(rows).to(ref.device), ref, tolerance(spec, max_abs_err(low, ref)),
+                         inputs[0].shape[0])
+
+
+def spot_compare(reference: SpotReference, out) -> str | None:
+    """Why a timed output is wrong on the reference's rows (shape, NaN/inf, error above the tolerance), or None."""
+    expected = (reference.tokens, *reference.ref.shape[1:])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"output shape {got}, expected {expected}"
+    if not reference.rows.numel():
         return None
-    index = torch.cat(rows).to(out.device)
-    got, ref, low = out[index].float(), torch.cat(refs), torch.cat(lows)
+    got = out[reference.rows].float()
     if not torch.isfinite(got).all():
-        return f"NaN or inf in the output (rows {index[~torch.isfinite(got).flatten(1).all(1)].tolist()[:4]})"
-    tol = tolerance(spec, max_abs_err(low, ref))
-    err = max_abs_err(got, ref)
-    if not err <= tol:
-        worst = int(index[(got - ref).abs().flatten(1).amax(1).argmax()])
-        return f"max abs error {err:.3g} exceeds tolerance {tol:.3g} (worst in row {worst})"
+        bad = reference.rows[~torch.isfinite(got).flatten(1).all(1)].tolist()[:4]
+        return f"NaN or inf in the output (rows {bad})"
+    err = max_abs_err(got, reference.ref)
+    if not err <= reference.tol:
+        worst = int(reference.rows[(got - reference.ref).abs().flatten(1).amax(1).argmax()])
+        return f"max abs error {err:.3g} exceeds tolerance {reference.tol:.3g} (worst in row {worst})"
     return None
+
+
+def spot_check(spec: AttentionSpec, phase: str, plan_args: tuple, inputs: tuple, out: torch.Tensor,
+               kwargs: dict) -> str | None:
+    """``spot_compare(spot_reference(...), out)``: why a timed output is wrong on sampled rows, or None."""
+    return spot_compare(spot_reference(spec, phase, plan_args, inputs, kwargs), out)
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:

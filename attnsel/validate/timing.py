@@ -9,9 +9,10 @@ Timing rules (what a number in a report means):
 - Candidates are interleaved: repetition r times every candidate once (in an order rotated each repetition) before
   repetition r + 1 starts; a bucket's number per candidate is the median over ``REPS`` samples of the time per call,
   and its spread is (max - min) / median of those samples.
-- Checked: after the timing, the output of the timed plan (eager: one more call; graph: the first and last input
-  set as the last replay wrote them) is compared with the float32 reference on sampled rows (cases.spot_check); a
-  wrong candidate gets no time in that bucket, with the reason.
+- Checked: after the timing, what the timed plan computes (eager: two more calls, the first one's output NaN-filled
+  and held during the second; graph: outputs NaN-filled, one more replay, the first and last input set) is compared
+  with the float32 reference on sampled rows (cases.spot_reference, once per bucket and set); a wrong candidate gets
+  no time in that bucket, with the reason.
 - Eager: a sample is m consecutive ``run`` calls (host launch cost included: an engine in eager mode pays it).
   Graph: one CUDA graph per candidate and bucket holds one call per input set; a sample is m replays. A candidate
   whose capture fails gets no time in that bucket, with the reason.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 import statistics
@@ -30,7 +32,9 @@ import torch
 
 from ..spec import AttentionSpec
 from . import seconds_from_env
-from .cases import cumulative, spot_check
+from .cases import cumulative, spot_compare, spot_reference
+
+log = logging.getLogger(__name__)
 
 GRID_VERSION = 1  # part of the dispatch-table cache key: bump when the grids or the timing rules change
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
@@ -246,11 +250,6 @@ def bench(fn, device: torch.device, target_s: float = 0.02, reps: int = 5) -> fl
     return statistics.median(times)
 
 
-def as_graph(run, inputs, device: torch.device):
-    """A CUDA graph replay of run(*inputs): what an engine running under CUDA graphs pays per call."""
-    return capture(run, [inputs], device)[0].replay
-
-
 def capture(run, sets: list[tuple], device: torch.device) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
     """One CUDA graph holding run(*s) for every input set s (after a warm-up call outside capture); returns the
     graph and the outputs it writes. Raises what the capture raises. The caller keeps ``run`` (and so the buffers
@@ -315,15 +314,35 @@ def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: l
     run = functools.partial(plan(spec, *plan_args), **feature_inputs(spec, phase, device))
     if mode == "graph":
         graph, outs = capture(run, sets, device)
-        # after the timed replays: the first and the last set's outputs, as the last replay wrote them
-        return _Timed(lambda cursor: graph.replay(), len(sets), lambda: [(0, outs[0]), (len(outs) - 1, outs[-1])], run)
+
+        def replayed() -> list[tuple[int, torch.Tensor]]:
+            """After the timed replays: NaN into the outputs, one more replay; the first and last set's outputs (the
+            last only when the plan writes every call into one buffer)."""
+            for out in outs:
+                out.fill_(float("nan"))
+            graph.replay()
+            last = len(outs) - 1
+            return [(last, outs[last])] if outs[0].data_ptr() == outs[last].data_ptr() else [(0, outs[0]),
+                                                                                             (last, outs[last])]
+
+        return _Timed(lambda cursor: graph.replay(), len(sets), replayed, run)
     count = len(sets)
 
     def unit(cursor: int) -> None:
         run(*sets[cursor % count])
 
+    def called_again() -> list[tuple[int, torch.Tensor]]:
+        """After the timing: one call, its output NaN-filled and held, then the call that is checked (a run that skips
+        its work would hand back the first call's memory)."""
+        held = run(*sets[-1])
+        if isinstance(held, torch.Tensor) and held.is_floating_point() and all(
+                held.data_ptr() != t.data_ptr() for t in sets[-1]):
+            held.fill_(float("nan"))
+        out = run(*sets[-1])  # computed while `held` is alive: it cannot reuse held's memory
+        return [(count - 1, out)]
+
     unit(0)  # warm-up (lazy initialisation, first-call autotuning)
-    return _Timed(unit, 1, lambda: [(count - 1, run(*sets[-1]))], run)  # outputs(): one more call, after the timing
+    return _Timed(unit, 1, called_again, run)
 
 
 def _sample(item: _Timed, cursor: int, device: torch.device) -> float:
@@ -381,8 +400,9 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
                 errors[name] = f"raised {type(exc).__name__}: {_first_line(exc)}"
                 del prepared[name]
             cursor += item.repeat
+    references: dict = {}  # input set index -> cases.SpotReference, shared by the candidates
     for name, item in list(prepared.items()):  # a fast wrong answer must not win: check what the timed plan computed
-        reason = _timed_output_reason(item, spec, phase, plan_args, sets, device)
+        reason = _timed_output_reason(item, spec, phase, plan_args, sets, device, references)
         if reason:
             errors[name] = f"wrong output after the timed {mode} runs: {reason}"
             del prepared[name]
@@ -399,16 +419,28 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
 
 
 def _timed_output_reason(item: _Timed, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple],
-                         device: torch.device) -> str | None:
+                         device: torch.device, references: dict) -> str | None:
+    """Why the candidate's timed plan computed a wrong output, or None. A reference that cannot be computed (out of
+    memory, say) skips the check with a warning: the checker's failure is not the candidate's."""
     try:
         outputs = item.outputs()
         _sync(device)
-        for index, out in outputs:
-            reason = spot_check(spec, phase, plan_args, sets[index], out, feature_inputs(spec, phase, device))
-            if reason:
-                return f"input set {index + 1} of {len(sets)}: {reason}"
     except Exception as exc:
         return f"raised {type(exc).__name__}: {_first_line(exc)}"
+    for index, out in outputs:
+        if index not in references:
+            try:
+                references[index] = spot_reference(spec, phase, plan_args, sets[index], feature_inputs(spec, phase,
+                                                                                                     device))
+            except Exception as exc:
+                log.warning("timed outputs of %s %s not checked: the reference failed: %s: %s", phase,
+                            spec.describe(), type(exc).__name__, _first_line(exc))
+                references[index] = None
+        if references[index] is None:
+            continue
+        reason = spot_compare(references[index], out)
+        if reason:
+            return f"input set {index + 1} of {len(sets)}: {reason}"
     return None
 
 
