@@ -167,10 +167,10 @@ class DispatchTable:
                    data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"))
 
 
-def pick(times: dict[str, float], order: list[str]) -> str:
-    """The fastest of ``times`` (name -> us); within TIE of the fastest, the earliest in ``order`` wins."""
+def pick(times: dict[str, float], order: list[str], tie: float = TIE) -> str:
+    """The fastest of ``times`` (name -> us); within ``tie`` of the fastest, the earliest in ``order`` wins."""
     best = min(times.values())
-    return next(n for n in order if n in times and times[n] <= best * (1 + TIE))
+    return next(n for n in order if n in times and times[n] <= best * (1 + tie))
 
 
 def _geomean(values: list[float]) -> float:
