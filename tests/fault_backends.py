@@ -190,6 +190,17 @@ class _DeviceAware(Wrapped):
 
 
 DEVICE_AWARE = _DeviceAware("device_aware")
+
+
+class _HangingCheck(Wrapped):
+    """A plugin whose availability check never returns (a library import that deadlocks, a driver query that
+    blocks): it runs in the selecting process, so it must cost a backend, not the selection."""
+
+    def unsupported(self, spec, phase):
+        time.sleep(3600)
+
+
+HANGING_CHECK = _HangingCheck("hanging_check")
 PREFILL = {b.name: b for b in ALL if b.phase == "prefill"}
 WRONG_PREFILL = PREFILL["wrong_prefill"]
 NAN_DECODE = next(b for b in ALL if b.name == "nan_decode")

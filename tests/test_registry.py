@@ -1,4 +1,6 @@
 """Registry: built-ins, plugins from the environment, broken plugins, unknown names."""
+import os
+
 import pytest
 import torch
 
@@ -95,6 +97,30 @@ def test_availability_turns_plugin_errors_into_reasons():
     assert backends.first_use_note(BAD_NOTE) == "first_use_note raised RuntimeError: note unavailable"
     assert backends.report_extras(BAD_NOTE) == {"error": "report_extras raised RuntimeError: extras unavailable"}
     assert backends.first_use_note(backends.get("torch")) == "" and backends.report_extras(backends.get("torch")) == {}
+
+
+def test_an_availability_check_that_never_returns_costs_the_backend_not_the_selection(tmp_path):
+    """A real process: a plugin whose unsupported() sleeps for an hour. The selection goes on after
+    ATTNSEL_CHECK_TIMEOUT_S with the reason, selects torch and exits (the stuck thread is a daemon)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("from attnsel import AttentionSpec, select\n"
+            "sel = select(AttentionSpec(4, 2, 64, 'fp16'), policy='priority', "
+            "prefill_priority=['hanging_check', 'torch'], decode_priority=['torch'])\n"
+            "c = {c.name: c for c in sel.candidates['prefill']}['hanging_check']\n"
+            "print(sel.prefill, c.status, c.reason)\n")
+    env = {**os.environ, "ATTNSEL_BACKENDS": "tests.fault_backends:HANGING_CHECK", "ATTNSEL_CHECK_TIMEOUT_S": "1",
+           "ATTNSEL_CACHE_DIR": str(tmp_path)}
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (
+        "torch unavailable availability check did not return: hanging_check's unsupported() did not return within "
+        "1 s (ATTNSEL_CHECK_TIMEOUT_S); it is left running in a background thread and the backend is treated as "
+        "unavailable")
+    assert time.monotonic() - t0 < 60
 
 
 def test_raising_version_and_note_do_not_abort_the_selection(monkeypatch, caplog):

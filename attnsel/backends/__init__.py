@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Literal, Protocol, runtime_checkable
 
@@ -209,21 +210,63 @@ def _one_reason(reason) -> str | None:
     return str(reason) if reason else None
 
 
+CHECK_TIMEOUT_ENV = "ATTNSEL_CHECK_TIMEOUT_S"
+DEFAULT_CHECK_TIMEOUT_S = 10.0
+
+
+class _Hung(Exception):
+    """A plugin call in the selecting process did not return in time."""
+
+
+def _bounded(fn: Callable, name: str, what: str):
+    """fn() in a daemon thread, its result or its exception; _Hung after ATTNSEL_CHECK_TIMEOUT_S (default 10 s).
+    A plugin's cheap parent-side calls (unsupported, version) run in the selecting process, a server's start: one
+    that never returns must cost that server a backend, not its start. Python cannot stop the thread: it is left
+    running, named after the call. (A call that hangs without releasing the GIL still blocks everything.)"""
+    from ..validate import seconds_from_env
+
+    timeout = seconds_from_env(CHECK_TIMEOUT_ENV, DEFAULT_CHECK_TIMEOUT_S)
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller, raised there
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"attnsel {name} {what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise _Hung(f"{name}'s {what} did not return within {timeout:g} s ({CHECK_TIMEOUT_ENV}); it is left "
+                    "running in a background thread and the backend is treated as unavailable")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
                  device: torch.device | None = None) -> tuple[str | None, dict | None]:
     """(reason the backend cannot serve (spec, phase) on ``device``, None) or (None, its cache identity: version
     and source hash). Never raises: whatever the backend's code raises becomes the reason ("unavailable")."""
+    name = getattr(backend, "name", repr(backend))
     try:
         check = backend.unsupported
-        reason = _one_reason(check(spec, phase, device=device) if device is not None and _takes_device(check)
-                             else check(spec, phase))
+        reason = _one_reason(_bounded(lambda: check(spec, phase, device=device) if device is not None
+                                      and _takes_device(check) else check(spec, phase), name, "unsupported()"))
+    except _Hung as exc:
+        log.error("%s", exc)
+        return f"availability check did not return: {exc}", None
     except Exception as exc:
-        log.exception("availability check of %s for %s raised", getattr(backend, "name", backend), phase)
+        log.exception("availability check of %s for %s raised", name, phase)
         return f"availability check raised {type(exc).__name__}: {exc}", None
     if reason:
         return reason, None
     try:
-        version = version_of(backend)
+        version = _bounded(lambda: version_of(backend), name, "version")
+    except _Hung as exc:
+        log.error("%s", exc)
+        return f"version did not return: {exc}", None
     except Exception as exc:
         log.exception("version of %s raised", backend.name)
         return f"version raised {type(exc).__name__}: {exc}", None
