@@ -64,14 +64,17 @@ def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: to
     """name -> "" for backends that pass the validation case, else the reason. Runs in this process: bench is a
     developer's tool, not a server start, so a crashing library ends the bench instead of being isolated."""
     status = {}
-    case = cases.make_case(spec, phase, device)
+    phase_cases = [cases.make_case(spec, phase, device), cases.single_case(spec, phase, device)]
     for name in names:
         backend = backends.get(name)
         reason = backend.unsupported(spec, phase)
         if not reason:
             t0 = time.perf_counter()
             try:
-                reason = check_output(spec, cases.run_case(backend, spec, case), case)["reason"]
+                for case in phase_cases:
+                    reason = check_output(spec, cases.run_case(backend, spec, case), case)["reason"]
+                    if reason:
+                        break
             except Exception as exc:
                 log.exception("%s %s failed its check", name, phase)
                 reason = f"raised {type(exc).__name__}: {exc}"

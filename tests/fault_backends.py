@@ -4,8 +4,9 @@ Loaded through ATTNSEL_BACKENDS="tests.fault_backends:ALL", exactly like a user'
 
 "sticky" and "poison" break the process the way a CUDA kernel fault breaks a CUDA context: every later attention
 call in the same process raises (SDPA is replaced by a function that raises, in this process only). "sticky" raises
-itself; "poison" returns correct outputs (the validation runs a plan twice) and breaks the process after its second
-run, as an asynchronous fault that surfaces only after the candidate is done would: the health probe must catch it.
+itself; "poison" returns correct outputs and breaks the process after its last validation run (two cases, each plan
+run twice), as an asynchronous fault that surfaces only after the candidate is done would: the health probe must
+catch it.
 """
 import ctypes
 import importlib
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
 
+VALIDATION_RUNS = 4  # runs of one candidate in the validation: two cases (ragged, one sequence), each plan run twice
 FAULTS = ("import_error", "raise", "segfault", "abort", "hang", "nan", "wrong", "sticky", "poison")
 BROKEN_CONTEXT = "CUDA error: an illegal memory access was encountered (simulated: this process is broken)"
 
@@ -56,7 +58,7 @@ def _fault(kind: str, out_fn, calls=None):
         break_process()
         raise RuntimeError(BROKEN_CONTEXT)
     out = out_fn()
-    if kind == "poison" and (calls is None or next(calls) >= 1):
+    if kind == "poison" and (calls is None or next(calls) >= VALIDATION_RUNS - 1):
         break_process()
     if kind == "nan":
         out[0, 0, 0] = float("nan")
@@ -69,6 +71,7 @@ class FaultBackend:
     def __init__(self, fault: str, phase: str):
         self.name = f"{fault}_{phase}"
         self.fault, self.phase = fault, phase
+        self.calls = itertools.count()  # runs of the faulty phase, over all plans (poison)
         self.version = "test"
 
     def unsupported(self, spec, phase):
@@ -78,15 +81,13 @@ class FaultBackend:
         run = TORCH.plan_prefill(spec, cu_q, cu_k, max_q, max_k)
         if self.phase != "prefill":
             return run
-        calls = itertools.count()
-        return lambda q, k, v: _fault(self.fault, lambda: run(q, k, v), calls)
+        return lambda q, k, v: _fault(self.fault, lambda: run(q, k, v), self.calls)
 
     def plan_decode(self, spec, page_table, seq_lens):
         run = TORCH.plan_decode(spec, page_table, seq_lens)
         if self.phase != "decode":
             return run
-        calls = itertools.count()
-        return lambda q, kc, vc: _fault(self.fault, lambda: run(q, kc, vc), calls)
+        return lambda q, kc, vc: _fault(self.fault, lambda: run(q, kc, vc), self.calls)
 
 
 ALL = [FaultBackend(f, p) for p in ("prefill", "decode") for f in FAULTS]

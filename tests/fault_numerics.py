@@ -8,6 +8,7 @@
 - off_by_one: the torch output plus 1.0.
 - stale_plan / stale_when_timed: right on the first one / two runs of a plan, then half the rows zero (a plan that
   cannot be reused: the validation runs a plan twice; the timing checks what its many runs computed).
+- wrong_when_alone: heads swapped for a batch of one sequence only (the validation's second case).
 - skip_work: every run returns one plan-owned buffer, computed on the first run only (later runs skip their work);
   one_buffer: the same buffer recomputed on every run (correct: must pass).
 - mutate_prefill / mutate_decode: correct output, then ``q.mul_(2)``; scribble_cache: correct output, then NaN
@@ -214,7 +215,25 @@ def _one_buffer(skip_after_first: bool):
     return wrap
 
 
+def _wrong_when_alone(plan):
+    """plan function of the torch backend that is wrong (heads swapped) only for a batch of one sequence: the path a
+    kernel takes when its grid or split count is sized by a batch of one."""
+    def wrapped(spec, *plan_args):
+        run = plan(spec, *plan_args)
+        alone = plan_args[0].shape[0] == 2 if len(plan_args) == 4 else plan_args[1].shape[0] == 1
+
+        def run_maybe_wrong(*inputs, **kwargs):
+            out = run(*inputs, **kwargs)
+            return torch.roll(out, shifts=1, dims=1) if alone else out
+
+        return run_maybe_wrong
+
+    return wrapped
+
+
 OLD_TORCH = Plugin("old_torch", plan_decode=old_torch_plan_decode)
+WRONG_WHEN_ALONE = Plugin("wrong_when_alone", _wrong_when_alone(TORCH.plan_prefill),
+                          _wrong_when_alone(TORCH.plan_decode))
 SKIP_WORK = Plugin("skip_work", _one_buffer(True)(TORCH.plan_prefill), _one_buffer(True)(TORCH.plan_decode))
 ONE_BUFFER = Plugin("one_buffer", _one_buffer(False)(TORCH.plan_prefill), _one_buffer(False)(TORCH.plan_decode))
 STALE_PLAN = Plugin("stale_plan", _stale_after(1)(TORCH.plan_prefill), _stale_after(1)(TORCH.plan_decode))
@@ -246,7 +265,7 @@ FEATURE_BUGS = {
     "swap_kv_scale": Plugin("swap_kv_scale", plan_decode=_scales(lambda k, v: (v, k))),
 }
 
-ALL = [OLD_TORCH, STALE_PLAN, SKIP_WORK, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE, SCRIBBLE_CACHE, MUTATE_THEN_RAISE,
+ALL = [OLD_TORCH, STALE_PLAN, SKIP_WORK, WRONG_WHEN_ALONE, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE, SCRIBBLE_CACHE, MUTATE_THEN_RAISE,
        SLOPPY,
        *FEATURE_BUGS.values()]
 TORCH_COPY = Plugin("torch_copy")  # the torch backend under another name (a fallback next to BROKEN_TORCH)

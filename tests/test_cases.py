@@ -225,16 +225,19 @@ def test_faults_in_a_real_worker(monkeypatch):
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:ALL")
     sel = select(SPEC, policy="priority",
                  prefill_priority=["mutate_prefill", "top_left", "off_by_one", "mutate_then_raise", "stale_plan",
-                                   "torch"],
-                 decode_priority=["mutate_decode", "scribble_cache", "old_torch", "off_by_one", "stale_plan", "torch"])
+                                   "wrong_when_alone", "torch"],
+                 decode_priority=["mutate_decode", "scribble_cache", "old_torch", "off_by_one", "stale_plan",
+                                  "wrong_when_alone", "torch"])
     expected = {
         "prefill": {"mutate_prefill": "changed its input(s) q during plan/run", "top_left": "exceeds tolerance",
                     "off_by_one": "exceeds tolerance", "mutate_then_raise": "injected failure",
-                    "stale_plan": "a second run of the same plan differs"},
+                    "stale_plan": "a second run of the same plan differs",
+                    "wrong_when_alone": "on prefill q_lens=[83] k_lens=[83]: max abs error"},
         "decode": {"mutate_decode": "changed its input(s) q during plan/run",
                    "scribble_cache": "changed its input(s) k_cache during plan/run",
                    "old_torch": "seq_lens must be >= 1", "off_by_one": "exceeds tolerance",
-                   "stale_plan": "a second run of the same plan differs"},
+                   "stale_plan": "a second run of the same plan differs",
+                   "wrong_when_alone": "on decode seq_lens=[157] "},
     }
     for phase, reasons in expected.items():
         cands = {c.name: c for c in sel.candidates[phase]}

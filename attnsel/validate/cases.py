@@ -240,9 +240,11 @@ def _sequence(spec: AttentionSpec, gen: torch.Generator, lq: int, lk: int, bound
     return q.to(spec.torch_dtype), k_stored, v_stored, k_real, v_real
 
 
-def prefill_case(spec: AttentionSpec, device: torch.device, seed: int = 0) -> PrefillCase:
+def prefill_case(spec: AttentionSpec, device: torch.device, seed: int = 0,
+                 lengths: tuple[list[int], list[int]] | None = None) -> PrefillCase:
+    """The ragged prefill case (prefill_lengths), or the given (query lengths, key lengths) without boundary traps."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    lq, lk, boundary = prefill_lengths(spec, device)
+    lq, lk, boundary = prefill_lengths(spec, device) if lengths is None else (*lengths, 0)
     dt = spec.torch_dtype
     seqs = [_sequence(spec, gen, a, b, i >= len(lq) - boundary, dt, None)
             for i, (a, b) in enumerate(zip(lq, lk))]
@@ -276,9 +278,11 @@ def _poison(page: torch.Tensor, first_slot: int) -> None:
         page[slot] = values[(slot - first_slot) % 3]
 
 
-def decode_case(spec: AttentionSpec, device: torch.device, seed: int = 1) -> DecodeCase:
+def decode_case(spec: AttentionSpec, device: torch.device, seed: int = 1, lengths: list[int] | None = None
+                ) -> DecodeCase:
+    """The decode case with its traps (decode_lengths), or the given context lengths (same traps, no boundary)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    lens, boundary = decode_lengths(spec, device)
+    lens, boundary = decode_lengths(spec, device) if lengths is None else (list(lengths), 0)
     ps, kvh, d, dt, kv_dt = spec.page_size, spec.num_kv_heads, spec.head_dim, spec.torch_dtype, spec.kv_torch_dtype
     scales = (K_SCALE, V_SCALE) if spec.kv_dtype is not None else None
     pages_per_seq = [math.ceil(n / ps) for n in lens]
@@ -327,6 +331,15 @@ def decode_case(spec: AttentionSpec, device: torch.device, seed: int = 1) -> Dec
 
 def make_case(spec: AttentionSpec, phase: str, device: torch.device) -> Case:
     return prefill_case(spec, device) if phase == "prefill" else decode_case(spec, device)
+
+
+def single_case(spec: AttentionSpec, phase: str, device: torch.device) -> Case:
+    """A batch of one sequence, the other path of many kernels (split counts, grids and schedulers are sized by the
+    batch): prefill, one long prompt; decode, one long context (the most KV splits). Checked after the ragged case."""
+    if phase == "prefill":
+        n = 1031 if device.type == "cuda" else 83
+        return prefill_case(spec, device, seed=2, lengths=([n], [n]))
+    return decode_case(spec, device, seed=3, lengths=[4099 if device.type == "cuda" else 157])
 
 
 def run_kwargs(spec: AttentionSpec, case: Case) -> dict:

@@ -82,16 +82,26 @@ def _fault(exc: BaseException) -> str:
     return "oom" if is_oom(exc) else "raised"
 
 
-def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.device, case, do_measure: bool,
-                 mode: str) -> dict:
+def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.device, phase_cases: list,
+                 do_measure: bool, mode: str) -> dict:
+    """One candidate on the phase's cases in order (the ragged case first, then a batch of one sequence): the first
+    that fails decides, its reason naming the case; the result's error fields are the first case's."""
     backend = backends.get(name)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
+    main, *more = phase_cases
     try:
-        out = cases.run_case(backend, spec, case)
+        out = cases.run_case(backend, spec, main)
         timing._sync(device)
-        result = cases.check_output(spec, out, case)
+        result = cases.check_output(spec, out, main)
+        for extra in more if result["status"] == "valid" else []:  # e.g. a batch of one sequence
+            out = cases.run_case(backend, spec, extra)
+            timing._sync(device)
+            checked = cases.check_output(spec, out, extra)
+            if checked["status"] != "valid":
+                result = {**checked, "reason": f"on {extra.describe()}: {checked['reason']}"}
+                break
     except Exception as exc:
         log.error("%s %s raised:\n%s", name, phase, traceback.format_exc())
         result = {"status": "rejected", "reason": f"raised {type(exc).__name__}: {exc}", "fault": _fault(exc)}
@@ -99,7 +109,7 @@ def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.devic
     if device.type == "cuda":
         result["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if result["status"] == "valid" and mode == "graph":
-        result.update(timing.graph_check(backend, spec, case, device))
+        result.update(timing.graph_check(backend, spec, main, device))
         if is_oom(result["graph_capture"]):
             result["fault"] = "oom"
     return result
@@ -160,7 +170,7 @@ def main() -> None:
         if name != timing.TIMING_TASK and phase not in built:
             emit(event="case", phase=phase)
             try:
-                built[phase] = cases.make_case(spec, phase, device)
+                built[phase] = [cases.make_case(spec, phase, device), cases.single_case(spec, phase, device)]
             except Exception as exc:  # attnsel's or the machine's fault, not the next candidate's
                 log.error("building the %s validation case raised:\n%s", phase, traceback.format_exc())
                 emit(event="case_error", phase=phase, reason=f"{type(exc).__name__}: {exc}", oom=is_oom(exc))
