@@ -317,7 +317,8 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
         props = torch.cuda.get_device_properties(device)
         header = (f"# attnsel bench on {props.name} ({time.strftime('%Y-%m-%d')}), torch {torch.__version__}; times "
                   f"are medians of {timing.REPS} interleaved CUDA-event samples per cell (inputs rotated to read from "
-                  "HBM; sampled rows of each timed plan's output checked against the float32 reference); ratios are within this run")
+                  "HBM; sampled rows of each timed plan's output checked against the float32 reference); ratios are "
+                  "within this run")
         _write(out_dir / "bench.md", markdown(cells, probe, rows, summary, header))
         _write(out_dir / "bench.json", json.dumps(
             {"probe": probe, "checks": checks, "cells": [dataclasses.asdict(c) for c in cells], "comparison": rows,

@@ -265,7 +265,6 @@ FEATURE_BUGS = {
     "swap_kv_scale": Plugin("swap_kv_scale", plan_decode=_scales(lambda k, v: (v, k))),
 }
 
-ALL = [OLD_TORCH, STALE_PLAN, SKIP_WORK, WRONG_WHEN_ALONE, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE, SCRIBBLE_CACHE, MUTATE_THEN_RAISE,
-       SLOPPY,
-       *FEATURE_BUGS.values()]
+ALL = [OLD_TORCH, STALE_PLAN, SKIP_WORK, WRONG_WHEN_ALONE, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE,
+       SCRIBBLE_CACHE, MUTATE_THEN_RAISE, SLOPPY, *FEATURE_BUGS.values()]
 TORCH_COPY = Plugin("torch_copy")  # the torch backend under another name (a fallback next to BROKEN_TORCH)
