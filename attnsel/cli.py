@@ -39,7 +39,7 @@ class UsageError(ValueError):
 
 
 class CannotRun(RuntimeError):
-    """The input is fine but this machine cannot do it (exit 3): `bench` without a CUDA device."""
+    """The input is fine but this machine cannot do it (exit 3): `bench` or `--mode graph` without a CUDA device."""
 
 
 def _names(text: str) -> list[str]:
@@ -109,6 +109,10 @@ def layer_specs_from_args(args: argparse.Namespace) -> LayerSpecs:
     """One (kind, spec, layer indices) per distinct layer kind of --config, flags overriding it in every layer;
     flags alone give one kind."""
     given = _given(args)
+    window = getattr(args, "sliding_window", None)
+    if window is not None and window < 1:  # the spec's own message says None, which no command line can pass
+        raise UsageError(f"--sliding-window must be a positive number of tokens (leave the flag out for no window), "
+                         f"got {window}")
     if args.config:
         try:
             return layer_specs(args.config, **given)
@@ -166,6 +170,14 @@ def check_backend_args(args: argparse.Namespace) -> None:
 def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -> Selection:
     spec = spec if spec is not None else spec_from_args(args)
     check_backend_args(args)
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.mode == "graph" and not str(device).startswith("cuda"):
+        raise CannotRun(f"--mode graph times CUDA-graph replays and needs a CUDA device; the device is {device} "
+                        "(use --mode eager)")
     return select(spec, args.prefill, args.decode, policy=args.policy, mode=args.mode,
                   prefill_priority=args.prefill_priority, decode_priority=args.decode_priority, timeout=args.timeout,
                   cache_dir=args.cache_dir, use_cache=not args.no_cache, device=args.device)

@@ -54,6 +54,13 @@ def test_report_table_ends_with_the_two_choices(capsys):
     assert "cache: miss" in out
 
 
+def test_graph_mode_without_cuda_exits_3_naming_the_flag(capsys):
+    code, out, err = run(capsys, "select", "--num-heads", "8", "--head-dim", "64", "--mode", "graph", "--device", "cpu")
+    assert (code, out) == (3, "")
+    assert err.strip() == ("attnsel: cannot run: --mode graph times CUDA-graph replays and needs a CUDA device; the "
+                           "device is cpu (use --mode eager)")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-heads", "0", "--head-dim", "64"], "--num-heads must be a positive integer, got 0"),
     (["--num-heads", "32", "--num-kv-heads", "5", "--head-dim", "128"],
@@ -66,9 +73,7 @@ def test_report_table_ends_with_the_two_choices(capsys):
      "--llm_prefill_att_backend: unknown backend 'fast'; valid: auto, fa3, flashinfer, flashinfer_cuda_cores, "
      "triton, torch, fa3_packgqa, fa3_split, flashinfer_fa2, flashinfer_fa3"),
     (["--num-heads", "8", "--head-dim", "64", "--decode-priority", "torch,nope"], "unknown backend 'nope'"),
-    (["--num-heads", "8", "--head-dim", "64", "--timeout", "0"], "timeout must be a positive number of seconds"),
-    (["--num-heads", "8", "--head-dim", "64", "--policy", "priority", "--mode", "graph", "--device", "cpu"],
-     "mode 'graph' needs a CUDA device"),
+    (["--num-heads", "8", "--head-dim", "64", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
 ])
 def test_bad_input_exits_2_naming_the_field(capsys, argv, message):
     code, out, err = run(capsys, "report", *argv)
@@ -184,7 +189,7 @@ def test_one_kind_configs_keep_the_single_object_json(capsys):
      "attnsel: error: --prefill-priority: unknown backend 'tritn'; valid: fa3, flashinfer, flashinfer_cuda_cores, "
      "triton, torch, fa3_packgqa, fa3_split, flashinfer_fa2, flashinfer_fa3"),
     (["--num-heads", "8", "--head-dim", "64", "--sliding-window", "0"],
-     "attnsel: error: --sliding-window must be None or a positive integer (tokens), got 0"),
+     "attnsel: error: --sliding-window must be a positive number of tokens (leave the flag out for no window), got 0"),
 ])
 def test_config_and_flag_errors_exit_2(capsys, argv, message):
     code, out, err = run(capsys, "report", *argv)

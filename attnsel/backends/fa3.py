@@ -109,18 +109,20 @@ class FA3Backend:
         return package_version("tokenspeed-fa3")
 
     def unsupported(self, spec: AttentionSpec, phase: Phase, device: torch.device | None = None) -> str | None:
-        if importlib.util.find_spec("flash_attn_interface") is None:
-            return "flash_attn_interface is not installed (pip install tokenspeed-fa3)"
         if phase not in self.phases:
             return f"this variant differs from fa3 only in {', '.join(self.phases)}"
-        reasons = [capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9, device), dtype_reason(spec),
-                   head_dim_reason(spec.head_dim)]
+        installed = importlib.util.find_spec("flash_attn_interface") is not None
+        reasons = [None if installed else "flash_attn_interface is not installed (pip install tokenspeed-fa3)",
+                   capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9, device), dtype_reason(spec)]
+        if installed:  # head dims and features depend on how the installed build was compiled
+            reasons.append(head_dim_reason(spec.head_dim))
         if self.pack_gqa and spec.group_size == 1:
             reasons.append("pack_gqa changes nothing without GQA (group size 1); fa3 covers this spec")
         if spec.sliding_window is not None and not spec.causal:
             reasons.append("a sliding window with non-causal attention is not supported (the window is causal)")
-        supported, why = feature_support()
-        reasons += feature_reasons(spec, phase, supported, why)
+        if installed:
+            supported, why = feature_support()
+            reasons += feature_reasons(spec, phase, supported, why)
         return joined(reasons)
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,

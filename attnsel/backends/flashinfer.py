@@ -137,15 +137,15 @@ class FlashInferBackend:
         return {"flashinfer_jit_dir": jit_cache_dir()}
 
     def unsupported(self, spec: AttentionSpec, phase: Phase, device: torch.device | None = None) -> str | None:
-        if importlib.util.find_spec("flashinfer") is None:
-            return "flashinfer is not installed (pip install flashinfer-python)"
         if phase not in self.phases:
             return f"this variant differs from {self.same_as} only in {', '.join(self.phases)}"
+        reasons = [None if importlib.util.find_spec("flashinfer") is not None
+                   else "flashinfer is not installed (pip install flashinfer-python)"]
         if self.hopper_only:
             need = capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9, device)
-            reasons = [need and f"{need}: below Hopper this variant is what {self.same_as} runs"]
+            reasons.append(need and f"{need}: below Hopper this variant is what {self.same_as} runs")
         else:
-            reasons = [capability_reason(">= 8.0", lambda cap: cap >= (8, 0), device)]
+            reasons.append(capability_reason(">= 8.0", lambda cap: cap >= (8, 0), device))
         reasons.append(dtype_reason(spec))
         if spec.head_dim not in HEAD_DIMS:
             reasons.append(f"head_dim {spec.head_dim} is not supported (supported: "
