@@ -378,6 +378,14 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.where(same, 0.0, (a - b).abs().nan_to_num(nan=inf, posinf=inf)).max().item()
 
 
+def clear_output(out, inputs) -> None:
+    """Fill a run's floating-point output with NaN (unless it is one of the inputs), so that a later run of the plan
+    that writes nothing, or hands back this memory, shows as NaN instead of a stale right answer."""
+    if (isinstance(out, torch.Tensor) and out.is_floating_point()
+            and all(out.data_ptr() != t.data_ptr() for t in inputs)):
+        out.fill_(float("nan"))
+
+
 def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
     """Plan one backend on a validation case and run the plan twice; returns the second output.
 
@@ -401,13 +409,10 @@ def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
             inputs = (case.q, case.k_cache, case.v_cache)
         out = run(*inputs, **run_kwargs(spec, case))
         first = out.clone() if isinstance(out, torch.Tensor) else out
-        if (isinstance(out, torch.Tensor) and out.is_floating_point()
-                and all(out.data_ptr() != t.data_ptr() for t in _inputs(case).values())):
-            out.fill_(float("nan"))  # held until the second run returns: a run that writes nothing shows as NaN
+        clear_output(out, _inputs(case).values())  # `out` is held until the second run returns
         second = run(*inputs, **run_kwargs(spec, case))
         if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and first.shape == second.shape:
             case.rerun_diff = _difference(first, second)
-        del out
         return second
     finally:
         for name, original in originals.items():

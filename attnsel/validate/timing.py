@@ -32,7 +32,7 @@ import torch
 
 from ..spec import AttentionSpec
 from . import seconds_from_env
-from .cases import cumulative, spot_compare, spot_reference
+from .cases import clear_output, cumulative, spot_compare, spot_reference
 
 log = logging.getLogger(__name__)
 
@@ -335,9 +335,7 @@ def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: l
         """After the timing: one call, its output NaN-filled and held, then the call that is checked (a run that skips
         its work would hand back the first call's memory)."""
         held = run(*sets[-1])
-        if isinstance(held, torch.Tensor) and held.is_floating_point() and all(
-                held.data_ptr() != t.data_ptr() for t in sets[-1]):
-            held.fill_(float("nan"))
+        clear_output(held, sets[-1])
         out = run(*sets[-1])  # computed while `held` is alive: it cannot reuse held's memory
         return [(count - 1, out)]
 
