@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 POLICIES = ("measure", "priority")
 MODES = ("eager", "graph")
-TIE = 0.03  # measured within 3% of the fastest: priority order decides
+TIE = 0.01  # measured within 1% of the fastest: priority order decides. H200 2026-12-03: with 3%, FA3 won the
+# batch-16 decode bucket by priority while 1.02x slower there and 1.09-1.27x slower at batch 12 (bench/results)
 # FlashInfer's template variants (flashinfer_fa2 prefill, flashinfer_fa3 decode) are registered but opt-in
 # (--prefill-priority / --decode-priority): each is a further JIT build of about two minutes on a fresh machine.
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
@@ -354,7 +355,11 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
         if (tk < 0 or k1 != hk or k2 != d or k.dtype is not dt or k.get_device() != device
                 or (total_k is not None and tk != total_k)):
             raise _expect("k", k, (total_k, hk, d), dt, device)
-        if not isinstance(v, torch.Tensor) or v.shape != k.shape or v.dtype is not dt or v.get_device() != device:
+        try:
+            tv, v1, v2 = v.shape
+        except (AttributeError, ValueError):
+            tv = -1
+        if tv != tk or v1 != k1 or v2 != k2 or v.dtype is not dt or v.get_device() != device:
             raise _expect("v", v, (tk, hk, d), dt, device)
         if (d > 1 and not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # the cheap common case
                 and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1)):
@@ -380,12 +385,16 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
         if b != batch or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device:
             raise _expect("q", q, (batch, hq, d), dt, device)
         try:
-            _, p, k1, k2 = k_cache.shape
+            kn, p, k1, k2 = k_cache.shape
         except (AttributeError, ValueError):
             p = -1
         if p != ps or k1 != hk or k2 != d or k_cache.dtype is not kdt or k_cache.get_device() != device:
             raise _expect("k_cache", k_cache, (None, ps, hk, d), kdt, device)
-        if (not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype is not kdt
+        try:
+            vn, vp, v1, v2 = v_cache.shape
+        except (AttributeError, ValueError):
+            vp = -1
+        if (vp != ps or v1 != hk or v2 != d or vn != kn or v_cache.dtype is not kdt
                 or v_cache.get_device() != device):
             raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
         if (d > 1 and not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
@@ -532,7 +541,7 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     """Pick the backends per phase. ``prefill``/``decode``: "auto" or a backend name (validated, never replaced).
 
     policy "measure" times every valid candidate of an automatic phase on a grid of shape buckets in ``mode``
-    ("eager" launches or CUDA "graph" replays) and keeps a dispatch table: per bucket the fastest (within 3%: the
+    ("eager" launches or CUDA "graph" replays) and keeps a dispatch table: per bucket the fastest (within 1%: the
     earlier in priority order); ``Selection.plan_prefill``/``plan_decode`` then pick the backend from the batch's
     shape. "priority" takes the first valid candidate for every shape; an explicit name serves every shape. In mode
     "graph" every candidate must also be captured and replayed correctly in a CUDA graph. ``budget_s``: seconds of

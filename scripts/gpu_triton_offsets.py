@@ -245,7 +245,7 @@ def old_decode(old, spec, page_table, seq_lens):
     """The foundation TritonBackend.plan_decode, on the old kernels."""
     cfg = tb.decode_config(spec.head_dim)
     batch = seq_lens.numel()
-    splits = tb.num_splits(batch, spec.num_kv_heads, int(seq_lens.max()), cfg.block_n, seq_lens.device)
+    splits = tb.decode_splits(batch, spec.num_kv_heads, int(seq_lens.max()), int(seq_lens.sum()), cfg.block_n, 132)[0]
     block_d = tb.triton_next_pow2(spec.head_dim)
     block_g = max(16, tb.triton_next_pow2(spec.group_size))
     page_table, lens = page_table.to(torch.int32), seq_lens.to(torch.int32)

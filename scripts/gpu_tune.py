@@ -1,4 +1,4 @@
-"""Tile-config sweep of the Triton kernels against FA3 / FlashInfer / torch on the H200 (one device call).
+"""Tile-config sweep of the Triton prefill kernel against FA3 / FlashInfer / torch on the H200 (one device call).
 
 Usage (device): python3 scripts/gpu_tune.py OUT_DIR. Prints one line per measurement and writes tune.json.
 """
@@ -75,28 +75,7 @@ for label, lens in [("1x8192", [8192]), ("4x2048", [2048] * 4), ("32x256", [256]
         if label != "1x8192":
             break
 
-orig_splits = tb.num_splits
-for label, batch, ctx in [("64x4096", 64, 4096), ("1x4096", 1, 4096), ("16x2048", 16, 2048)]:
-    w = timing.make_decode_workload(spec, dev, label, batch, ctx)
-    nbytes = timing.decode_bytes(spec, batch, ctx)
-    for name in ["torch", "fa3", "flashinfer", "flashinfer_cuda_cores"]:
-        run = get(name).plan_decode(spec, *w.plan_args)
-        t = bench(lambda: run(*w.inputs), dev)
-        emit(what="decode", shape=label, name=name, us=t * 1e6, tbps=nbytes / t / 1e12)
-    for cfg in [(0, 64, 4, 3), (0, 32, 4, 3), (0, 64, 4, 4), (0, 128, 4, 3), (0, 64, 8, 3), (0, 16, 4, 3),
-                (0, 128, 8, 3), (0, 64, 4, 2), (0, 32, 2, 4)]:
-        for split_mult in ([1, 2, 4] if label == "64x4096" else [1]):
-            tb.decode_config = lambda d, c=cfg: tb.TileConfig(*c)
-            tb.num_splits = lambda b, h, n, bn, d, m=split_mult: max(1, orig_splits(b, h, n, bn, d) * m)
-            try:
-                run = get("triton").plan_decode(spec, *w.plan_args)
-                t = bench(lambda: run(*w.inputs), dev)
-                emit(what="decode", shape=label, name="triton", cfg=cfg, split_mult=split_mult,
-                     splits=tb.num_splits(batch, 8, ctx, cfg[1], dev), us=t * 1e6, tbps=nbytes / t / 1e12)
-            except Exception as exc:
-                emit(what="decode", shape=label, name="triton", cfg=cfg, error=repr(exc)[:300])
-        if label != "64x4096" and cfg == (0, 64, 4, 3):
-            break
+# The Triton decode launch plan (split counts, tile configs) is swept by scripts/gpu_triton_decode.py.
 
 with open(f"{out_dir}/tune.json", "w") as fh:
     json.dump(rows, fh, indent=1)

@@ -28,7 +28,7 @@ def measured(phase, mode, cells, axes=None):
 
 DECODE = {(1, 256): {"a": 10.0, "b": 12.0}, (1, 1024): {"a": 20.0, "b": 19.0},
           (4, 256): {"a": 30.0, "b": 20.0}, (4, 1024): {"a": 40.0, "b": 60.0},
-          (16, 256): {"a": 50.0, "b": 49.0}, (16, 1024): {"a": 80.0, "b": 70.0}}
+          (16, 256): {"a": 50.0, "b": 49.6}, (16, 1024): {"a": 80.0, "b": 70.0}}
 
 
 def test_bucket_boundaries_are_log_midpoints_and_clamp():
@@ -52,22 +52,23 @@ def test_dispatch_from_injected_timings_ties_go_by_priority():
     assert got[(1, 1024)] == ("b", "a")  # 20 vs 19: a is 5.3% slower, outside the tie band
     assert got[(4, 256)] == ("b", "a")
     assert got[(4, 1024)] == ("a", "b")
-    assert got[(16, 256)] == ("a", "b")  # 50 vs 49: within 3%, "a" is first in priority
+    assert got[(16, 256)] == ("a", "b")  # 50 vs 49.6: within 1%, "a" is first in priority
     assert got[(16, 1024)] == ("b", "a")
     b = table.bucket_for((4, 256))
     assert b.us == 20.0 and b.runner_up_us == 30.0 and b.ratio == pytest.approx(1.5)
-    # the priority order decides ties: with b first, b keeps the 50-vs-49 bucket
+    # the priority order decides ties: with b first, b keeps the 50-vs-49.6 bucket
     assert build_table(measured("decode", "eager", DECODE), ["b", "a"]).backend_for((16, 256)) == "b"
     # only usable candidates may win: a rejected candidate's times are ignored
     only_b = build_table(measured("decode", "eager", DECODE), ["a", "b"], usable={"b"})
     assert {b.backend for b in only_b.buckets} == {"b"}
 
 
-def test_tie_band_is_three_percent():
-    cells = {(1, 256): {"a": 10.3, "b": 10.0}, (4, 256): {"a": 10.31, "b": 10.0}}
+def test_tie_band_is_one_percent():
+    cells = {(1, 256): {"a": 10.1, "b": 10.0}, (4, 256): {"a": 10.11, "b": 10.0}, (16, 256): {"a": 10.2, "b": 10.0}}
     table = build_table(measured("decode", "eager", cells), ["a", "b"])
-    assert table.backend_for((1, 256)) == "a"  # 3.0% slower: a tie, priority decides
-    assert table.backend_for((4, 256)) == "b"  # 3.1% slower: b wins
+    assert table.backend_for((1, 256)) == "a"  # 1.0% slower: a tie, priority decides
+    assert table.backend_for((4, 256)) == "b"  # 1.1% slower: b wins
+    assert table.backend_for((16, 256)) == "b"  # 2% slower (a tie under the earlier 3% band): b wins
 
 
 def test_untimed_shapes_take_the_nearest_timed_bucket():

@@ -81,7 +81,8 @@ DECODE_LENS = [0, 1, 17, 45, 0, 130, 32]  # zero-length rows (CUDA-graph padding
 
 
 def _decode(spec, splits, monkeypatch, lens=DECODE_LENS, sentinel="nan_page"):
-    monkeypatch.setattr(tb, "num_splits", lambda *a: splits)
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 1))  # chunk 1: every row of >= splits tokens
+    # uses all splits, shorter rows fewer (the rest write empty partials)
     case = decode_case(spec, CPU, lens, sentinel)
     return case.run(get("triton"), spec), case.ref
 
@@ -107,10 +108,41 @@ def test_decode_sliding_window(window, splits, monkeypatch):
     _assert_close(out, ref)
 
 
+def test_decode_rows_take_splits_by_length_and_empty_partials_are_never_read(monkeypatch):
+    """A ragged batch where each row uses round(len / chunk) of the plan's splits (chunk 32 tokens: rows of 0, 1,
+    17, 45, 130 tokens use 1, 1, 1, 1, 4 of 4): the split buffers start as NaN (garbage from the allocator), so a
+    reduce that reads the partial output of a split its row did not use outputs NaN."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (4, 32))
+    case = decode_case(_spec(page_size=16), CPU, DECODE_LENS, "nan_page")
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", nan_empty)
+        run = get("triton").plan_decode(_spec(page_size=16), *case.plan_args)
+    _assert_close(run(*case.inputs), case.ref)
+
+
+def test_decode_split_plan_fills_the_gpu_and_follows_the_rows():
+    """The H200's plan (132 SMs, 8 KV heads, tiles of 64): about 3 programs per SM, splits rounded to the nearest
+    count, at least two tiles per split; a ragged batch's chunk comes from its total tokens."""
+    assert tb.decode_splits(24, 8, 6000, 24 * 6000, 64, 132) == (2, 2909)  # 384 programs, not 576
+    assert tb.decode_splits(6, 8, 12000, 6 * 12000, 64, 132)[0] == 8  # 384 programs
+    assert tb.decode_splits(1, 8, 1500, 1500, 64, 132) == (12, 128)  # two tiles per split at least
+    assert tb.decode_splits(200, 8, 9000, 200 * 9000, 64, 132)[0] == 1
+    assert tb.decode_splits(8, 8, 9000, 18820, 64, 132) == (24, 380)  # one 9000-token row among short ones
+    assert tb.decode_splits(1, 1, 10**6, 10**6, 64, 132)[0] == 64  # one KV head would want 396: at most 64
+    assert tb.decode_splits(4, 8, 100, 400, 32, None) == (1, 128)  # the interpreter
+    assert tb.decode_splits(4, 8, 200, 800, 32, None) == (2, 128)
+
+
 def test_decode_window_reads_only_the_window(monkeypatch):
     """Pages wholly before the window are NaN: a kernel that reads them (0 x NaN) outputs NaN."""
     spec = _spec(page_size=16, sliding_window=20)
-    monkeypatch.setattr(tb, "num_splits", lambda *a: 2)
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (2, 1))
     case = decode_case(spec, CPU, [130, 64], "nan_page")
     page_table = case.plan_args[0]
     q, k_cache, v_cache = case.inputs

@@ -64,13 +64,27 @@ def decode_config(head_dim: int, fp8: bool = False) -> TileConfig:
     return TileConfig(0, 32, 4, 2)
 
 
-def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
-    """KV splits per sequence so that the grid fills the GPU twice over, each split keeping >= 4 tiles of work."""
-    if device.type != "cuda":
-        return 1 if max_len <= 4 * block_n else 2  # the interpreter: still exercise the split path on long contexts
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = math.ceil(2 * sms / (batch * kv_heads))
-    return max(1, min(want, math.ceil(max_len / (4 * block_n)), 64))
+SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
+
+
+def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
+                  sms: int | None) -> tuple[int, int]:
+    """(num_splits, chunk) of a decode plan: the grid's split axis and the tokens per split that a row aims at.
+
+    The batch's tokens (``total_len``, summed over rows, each at most the window) are cut into chunks so that the
+    programs (batch x kv_heads x splits used) come to about SPLIT_PROGRAMS_PER_SM per SM, each chunk at least two
+    tiles; a row of n tokens uses round(n / chunk) splits (at least 1, at most num_splits, which the longest row
+    needs, at most 64). ``sms``: the GPU's multiprocessor count, None under the interpreter. H200 sweep 2026-12-03 (bench/results/2026-12-03-round4, scripts/gpu_triton_decode.py):
+    384-528 programs ran within 2% of the best split count while 576 and 768 ran 1.12-1.32x slower (a partly
+    filled last round of programs), and with one split count for every row (the longest's) a ragged batch of one
+    long and seven short rows ran 2.2x slower than with splits per row.
+    """
+    if sms is None:  # the interpreter (no GPU): still exercise the split path on long contexts
+        chunk = 4 * block_n
+        return (1 if max_len <= chunk else 2), chunk
+    exact = total_len * kv_heads / (SPLIT_PROGRAMS_PER_SM * sms)
+    chunk = max(2 * block_n, round(exact))
+    return max(1, min(round(max_len / chunk), 64)), chunk
 
 
 def _scale_args(spec: AttentionSpec) -> tuple[float, float]:
@@ -154,10 +168,11 @@ class TritonBackend:
 
         cfg = decode_config(spec.head_dim, fp8=True) if spec.kv_dtype else decode_config(spec.head_dim)
         batch = seq_lens.numel()
-        max_len = int(seq_lens.max()) if batch else 1
-        if spec.sliding_window is not None:
-            max_len = min(max_len, spec.sliding_window)  # each row reads at most the window
-        splits = num_splits(batch, spec.num_kv_heads, max(max_len, 1), cfg.block_n, seq_lens.device)
+        spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)  # tokens read
+        max_len, total_len = torch.stack((spans.max().long(), spans.sum())).tolist() if batch else (1, 1)
+        sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
+               if seq_lens.device.type == "cuda" else None)
+        splits, chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1), cfg.block_n, sms)
         block_d = triton_next_pow2(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         device = seq_lens.device
@@ -188,7 +203,7 @@ class TritonBackend:
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
             decode_kernel[(batch, spec.num_kv_heads, splits)](
                 q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, sinks,
-                k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, heads,
+                k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, chunk, heads,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
                 out.stride(0), out.stride(1), *part_strides,

@@ -153,7 +153,8 @@ def prefill_kernel(Q, K, V, O, cu_q, cu_k, SINKS, scale_in,
 
 
 @triton.jit
-def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCALE, scale_in, num_splits, num_heads,
+def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCALE, scale_in, num_splits, chunk,
+                  num_heads,
                   stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   stride_ptb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -161,10 +162,11 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
                   SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (batch, num_kv_heads, num_splits): the query heads of one KV head read each K/V tile once.
 
-    Reads only tokens [max(0, len - WINDOW), len) of row b: page-table entries and cache slots past a sequence's
-    length are never loaded (engines leave garbage there). A row of length 0 outputs zeros.
-    Without SPLIT the result goes to O; with it, normalised partial outputs and their log2-sum-exp go to
-    O_part [B, H, S, BLOCK_D] / LSE_part [B, H, S] (both contiguous) for decode_reduce_kernel, which adds sinks.
+    Splits: row b uses n = round(span / chunk) of them, at least 1 and at most num_splits (span: the tokens it
+    reads), each cdiv(span, n) tokens rounded up to BLOCK_N; a program of a split its row does not use writes only
+    lse = -inf (the reduce reads no partial output there). So in a ragged batch a long row gets more splits than a
+    short one (the plan sizes ``chunk`` by the batch's total tokens), and a plan replayed on longer rows (a CUDA
+    graph) spreads them over all num_splits.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -173,7 +175,15 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(seq_len - WINDOW, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    span = seq_len - lo
+    used = tl.maximum(tl.minimum(num_splits, (span + chunk // 2) // chunk), 1)
+    if SPLIT:
+        if split >= used:  # nothing to read: an empty partial (the reduce skips it)
+            heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
+            tl.store(LSE_part + (b * num_heads + heads) * num_splits + split,
+                     tl.full([BLOCK_G], float("-inf"), tl.float32), mask=tl.arange(0, BLOCK_G) < GROUP)
+            return
+    per_split = tl.cdiv(tl.cdiv(span, used), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     offs_g = tl.arange(0, BLOCK_G)
@@ -261,7 +271,8 @@ def decode_reduce_kernel(O, O_part, LSE_part, SINKS, num_splits, num_heads, stri
     if HAS_SINKS:
         den += tl.exp2(sink - m)
     w = w / tl.where(den == 0.0, 1.0, den)
+    used = s_mask & (lse > float("-inf"))  # empty splits wrote no partial output
     part = tl.load(O_part + base + offs_s[:, None] * stride_ps + offs_d[None, :],
-                   mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+                   mask=used[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
