@@ -162,6 +162,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--serve-requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--parts", default="batch,serve", help="which benchmarks: batch (generate_batch), serve")
+    parser.add_argument("--impls", default="attnsel,sdpa")
     args = parser.parse_args()
     import torch
     import transformers
@@ -169,13 +171,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp), args.layers)
-        for impl in ("attnsel", "sdpa"):
+        impls = args.impls.split(",")
+        for impl in impls if "batch" in args.parts else ():
             row = {"bench": "generate_batch", "impl": impl,
                    **in_child("batch_child", tmp, impl, args.requests, args.new_tokens)}
             print(json.dumps(row), flush=True)
             rows.append(row)
-        for cb in (False, True):
-            for impl in ("attnsel", "sdpa"):
+        for cb in (False, True) if "serve" in args.parts else ():
+            for impl in impls:
                 try:
                     row = served(tmp, impl, args.serve_requests, args.concurrency, args.new_tokens, cb)
                 except Exception as exc:  # recorded, the other configurations still run
