@@ -460,7 +460,8 @@ class Selection:
         return table.backend_for((num_seqs, total_tokens, longest)) if table else self.prefill
 
     def decode_backend_for(self, batch: int, context: int) -> str:
-        """The backend that serves a decode batch of this shape (mode "graph": the batch size alone decides)."""
+        """The backend that serves a decode batch of this shape (context: its mean context, see plan_decode; mode
+        "graph": the batch size alone decides)."""
         table = self.phases["decode"].table
         if table is None:
             return self.decode
@@ -481,17 +482,30 @@ class Selection:
         run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return checked_prefill(run, self.spec, cu_seqlens_q.get_device(), total_q, total_k)
 
-    def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None) -> RunFn:
+    def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None,
+                    num_tokens: int | None = None) -> RunFn:
         """Plan a paged decode batch on the backend its shape dispatches to; returns ``run(q, k_cache, v_cache)``
-        (shapes: backends.Backend). No device sync: the bucket is (``seq_lens.shape[0]``, ``max_seq_len``); when
-        ``max_seq_len`` is None it is taken as ``page_table.shape[1] * page_size``, the longest context the page
-        table can hold (an overestimate when the table is wider than needed: pass it). In mode "graph" only the
-        batch size matters. The run function checks q and the caches against the spec and raises ValueError naming
-        the argument. It owns the plan's device buffers: keep it alive as long as any CUDA graph that captured it
-        may be replayed (a graph holds device pointers only; a freed plan's memory goes to the next allocation)."""
+        (shapes: backends.Backend). No device sync: the bucket is (batch = ``seq_lens.shape[0]``, context) from
+        host ints: context is the batch's mean context ceil(``num_tokens`` / batch) when ``num_tokens`` (the
+        context tokens summed over the batch) is given: a decode's time follows the tokens it reads, and a ragged
+        batch of one long and many short rows costs what a uniform batch of its mean costs (H200 2026-12-03: keyed
+        by its longest row, a ragged batch of 8 was served by a backend 2.04x slower than the fastest); else
+        ``max_seq_len``; else ``page_table.shape[1] * page_size``, the longest context the table can hold (an
+        overestimate when the table is wider than needed: pass one of them). In mode "graph" only the batch size
+        matters. The run function checks q and the caches against the spec and raises ValueError naming the
+        argument. It owns the plan's device buffers: keep it alive as long as any CUDA graph that captured it may
+        be replayed (a graph holds device pointers only; a freed plan's memory goes to the next allocation)."""
         check_decode_metadata(page_table, seq_lens, max_seq_len)
         batch = seq_lens.shape[0]
-        ctx = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
+        if num_tokens is not None:
+            if not _host_int(num_tokens) or num_tokens < 0:
+                raise ValueError("num_tokens: expected None or a non-negative Python int (the batch's context tokens, "
+                                 f"summed), got {num_tokens!r}")
+            ctx = -(-num_tokens // max(batch, 1))
+        elif max_seq_len is not None:
+            ctx = max_seq_len
+        else:
+            ctx = page_table.shape[1] * self.spec.page_size
         name = self.decode_backend_for(batch, ctx)
         run = backends.get(name).plan_decode(self.spec, page_table, seq_lens)
         return checked_decode(run, self.spec, seq_lens.get_device(), batch)
