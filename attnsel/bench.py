@@ -103,7 +103,7 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
     item = torch.finfo(spec.torch_dtype).bits // 8
     for shape in grid:
         if isinstance(shape, list):
-            # dispatched as an engine plans it: by the mean context (Selection.plan_decode's num_tokens)
+            # dispatched as an engine plans it: by the mean context (Selection.plan_decode's context_tokens)
             label, key = f"ragged {len(shape)} (max {max(shape)})", (len(shape), -(-sum(shape) // len(shape)))
             work = 2 * sum(shape) * spec.num_kv_heads * spec.head_dim * item
         else:

@@ -483,10 +483,10 @@ class Selection:
         return checked_prefill(run, self.spec, cu_seqlens_q.get_device(), total_q, total_k)
 
     def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None,
-                    num_tokens: int | None = None) -> RunFn:
+                    context_tokens: int | None = None) -> RunFn:
         """Plan a paged decode batch on the backend its shape dispatches to; returns ``run(q, k_cache, v_cache)``
         (shapes: backends.Backend). No device sync: the bucket is (batch = ``seq_lens.shape[0]``, context) from
-        host ints: context is the batch's mean context ceil(``num_tokens`` / batch) when ``num_tokens`` (the
+        host ints: context is the batch's mean context ceil(``context_tokens`` / batch) when ``context_tokens`` (the
         context tokens summed over the batch) is given: a decode's time follows the tokens it reads, and a ragged
         batch of one long and many short rows costs what a uniform batch of its mean costs (H200 2026-12-03: keyed
         by its longest row, a ragged batch of 8 was served by a backend 2.04x slower than the fastest); else
@@ -497,11 +497,11 @@ class Selection:
         be replayed (a graph holds device pointers only; a freed plan's memory goes to the next allocation)."""
         check_decode_metadata(page_table, seq_lens, max_seq_len)
         batch = seq_lens.shape[0]
-        if num_tokens is not None:
-            if not _host_int(num_tokens) or num_tokens < 0:
-                raise ValueError("num_tokens: expected None or a non-negative Python int (the batch's context tokens, "
-                                 f"summed), got {num_tokens!r}")
-            ctx = -(-num_tokens // max(batch, 1))
+        if context_tokens is not None:
+            if not _host_int(context_tokens) or context_tokens < 0:
+                raise ValueError("context_tokens: expected None or a non-negative Python int (the batch's context tokens, "
+                                 f"summed), got {context_tokens!r}")
+            ctx = -(-context_tokens // max(batch, 1))
         elif max_seq_len is not None:
             ctx = max_seq_len
         else:

@@ -267,12 +267,12 @@ def test_plan_decode_dispatches_from_host_sizes_without_reading_tensors(monkeypa
     # without max_seq_len the page table's width decides: 20 pages x 16 = 320 tokens
     sel.plan_decode(torch.empty(2, 20, **meta), torch.empty(2, **meta))
     sel.plan_decode(torch.empty(40, 20, **meta), torch.empty(40, **meta), max_seq_len=300)
-    # num_tokens (the batch's context tokens, summed) decides over max_seq_len: one long row among short ones is
+    # context_tokens (the batch's context tokens, summed) decides over max_seq_len: one long row among short ones is
     # bucketed by its mean context, 2 rows x 300 tokens on average
-    sel.plan_decode(torch.empty(2, 20, **meta), torch.empty(2, **meta), max_seq_len=5000, num_tokens=600)
+    sel.plan_decode(torch.empty(2, 20, **meta), torch.empty(2, **meta), max_seq_len=5000, context_tokens=600)
     assert Recorder.planned == ["rec_a", "rec_b", "rec_a", "rec_b", "rec_a"]
-    with pytest.raises(ValueError, match="^num_tokens: expected None or a non-negative Python int"):
-        sel.plan_decode(torch.empty(2, 20, **meta), torch.empty(2, **meta), num_tokens=torch.tensor(600))
+    with pytest.raises(ValueError, match="^context_tokens: expected None or a non-negative Python int"):
+        sel.plan_decode(torch.empty(2, 20, **meta), torch.empty(2, **meta), context_tokens=torch.tensor(600))
 
 
 def test_plan_prefill_dispatches_on_seqs_tokens_longest(monkeypatch):
