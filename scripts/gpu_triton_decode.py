@@ -54,11 +54,10 @@ class Variant:
         if self.per_sm:
             attrs["SPLIT_PROGRAMS_PER_SM"] = self.per_sm
         if self.splits:
-            attrs["decode_splits"] = lambda b, h, n, t, bn, d, s=self.splits: (s, bn)
+            attrs["decode_splits"] = lambda b, h, n, t, bn, d, s=self.splits: (s, 2**30, 1)  # every row: s
         if self.legacy:  # every row uses the longest row's split count (as before 2026-12-03, third session)
             def legacy(b, h, n, t, bn, sms):
-                s, _ = base_splits(b, h, n, n * b, bn, sms)
-                return s, 1
+                return base_splits(b, h, n, n * b, bn, sms)[0], 2**30, 1
             attrs["decode_splits"] = legacy
         with patched(**attrs):
             return tb.BACKEND.plan_decode(spec, page_table, seq_lens)

@@ -11,7 +11,7 @@ import torch
 import attnsel.backends.triton as tb
 from attnsel.backends import get
 from attnsel.spec import AttentionSpec
-from tests.feature_cases import decode_case, prefill_case
+from tests.feature_cases import decode_case, prefill_case, reference
 
 TOL = {"fp16": 2e-3, "bf16": 1.6e-2}  # validate.cases.TOL_FLOOR: output rounding to the dtype (|out| <= 1)
 CPU = torch.device("cpu")
@@ -81,7 +81,7 @@ DECODE_LENS = [0, 1, 17, 45, 0, 130, 32]  # zero-length rows (CUDA-graph padding
 
 
 def _decode(spec, splits, monkeypatch, lens=DECODE_LENS, sentinel="nan_page"):
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 1))  # chunk 1: every row of >= splits tokens
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 2**30, 1))  # chunk 1: every row of >= splits tokens
     # uses all splits, shorter rows fewer (the rest write empty partials)
     case = decode_case(spec, CPU, lens, sentinel)
     return case.run(get("triton"), spec), case.ref
@@ -118,7 +118,7 @@ def test_decode_rows_take_splits_by_length_and_empty_partials_are_never_read(mon
         t = real_empty(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (4, 32))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (4, 2**30, 32))  # chunk: 32 tokens
     case = decode_case(_spec(page_size=16), CPU, DECODE_LENS, "nan_page")
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", nan_empty)
@@ -129,20 +129,53 @@ def test_decode_rows_take_splits_by_length_and_empty_partials_are_never_read(mon
 def test_decode_split_plan_fills_the_gpu_and_follows_the_rows():
     """The H200's plan (132 SMs, 8 KV heads, tiles of 64): about 3 programs per SM, splits rounded to the nearest
     count, at least two tiles per split; a ragged batch's chunk comes from its total tokens."""
-    assert tb.decode_splits(24, 8, 6000, 24 * 6000, 64, 132) == (2, 2909)  # 384 programs, not 576
+    assert tb.decode_splits(24, 8, 6000, 24 * 6000, 64, 132) == (2, 396, 128)  # 384 programs, not 576
     assert tb.decode_splits(6, 8, 12000, 6 * 12000, 64, 132)[0] == 8  # 384 programs
-    assert tb.decode_splits(1, 8, 1500, 1500, 64, 132) == (12, 128)  # two tiles per split at least
+    assert tb.decode_splits(1, 8, 1500, 1500, 64, 132)[0] == 12  # two tiles per split at least
     assert tb.decode_splits(200, 8, 9000, 200 * 9000, 64, 132)[0] == 1
-    assert tb.decode_splits(8, 8, 9000, 18820, 64, 132) == (24, 380)  # one 9000-token row among short ones
+    assert tb.decode_splits(8, 8, 9000, 18820, 64, 132)[0] == 24  # one 9000-token row among short ones
     assert tb.decode_splits(1, 1, 10**6, 10**6, 64, 132)[0] == 64  # one KV head would want 396: at most 64
-    assert tb.decode_splits(4, 8, 100, 400, 32, None) == (1, 128)  # the interpreter
-    assert tb.decode_splits(4, 8, 200, 800, 32, None) == (2, 128)
+    assert tb.decode_splits(4, 8, 100, 400, 32, None) == (1, 2**30, 128)  # the interpreter
+    assert tb.decode_splits(4, 8, 200, 800, 32, None) == (2, 2**30, 128)
+
+
+def test_decode_splits_follow_the_lengths_of_each_run(monkeypatch):
+    """A plan made at long contexts and run at short ones (a CUDA graph captured at the longest context, replayed
+    as the batch grows) still spreads each row over several splits: the kernel sizes its chunks from the lengths
+    it reads, not from the plan's. Observed in the split buffers: a split that read nothing has lse = -inf."""
+    lse_parts = []
+    real_empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dim() == 3 and t.dtype == torch.float32:  # lse_part [batch, heads, splits]
+            lse_parts.append(t)
+        return t
+
+    spec = _spec(page_size=16)  # 2 KV heads
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (8, 16, 32))  # aim at 16 programs, chunks >= 32 tokens
+    long = decode_case(spec, CPU, [1024, 1024])
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", recording_empty)
+        run = get("triton").plan_decode(spec, *long.plan_args)
+    (lse,) = lse_parts
+    _assert_close(run(*long.inputs), long.ref)
+    assert (lse > float("-inf")).sum(-1).tolist() == [[4] * 8] * 2  # 2048 x 2 / 16 = 256 tokens a chunk: 4 splits
+    page_table, seq_lens = long.plan_args
+    seq_lens.fill_(256)  # the same plan, run at a quarter of the length
+    q, k_cache, v_cache = long.inputs
+    out = run(q, k_cache, v_cache)
+    assert (lse > float("-inf")).sum(-1).tolist() == [[4] * 8] * 2  # 512 x 2 / 16 = 64 a chunk: still 4 splits
+    for b in range(2):  # each row against the float32 reference over its first 256 keys
+        keys = lambda cache: cache[page_table[b, :16].long()].reshape(256, 2, 64).float()  # noqa: E731
+        ref = reference(q[b:b + 1], keys(k_cache), keys(v_cache), spec.scale, causal=False)[0]
+        _assert_close(out[b:b + 1], ref[None])
 
 
 def test_decode_window_reads_only_the_window(monkeypatch):
     """Pages wholly before the window are NaN: a kernel that reads them (0 x NaN) outputs NaN."""
     spec = _spec(page_size=16, sliding_window=20)
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (2, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (2, 2**30, 1))
     case = decode_case(spec, CPU, [130, 64], "nan_page")
     page_table = case.plan_args[0]
     q, k_cache, v_cache = case.inputs

@@ -29,7 +29,7 @@ def decode(dtype, kvdtype, **flags):
     sig = {"Q": f"*{dtype}", "K": f"*{kvdtype}", "V": f"*{kvdtype}", "PT": "*i32", "LENS": "*i32", "O": f"*{dtype}",
            "O_part": "*fp32", "LSE_part": "*fp32", "SINKS": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
            "scale_in": "fp32"}
-    consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_N=64, SPLIT=True,
+    consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_N=64, SPLIT=True, BLOCK_B=64,
                   WINDOW=0, SOFTCAP=0.0, HAS_SINKS=False, FP8=False, UPCAST=False)
     consts.update(flags)
     return compile_(K.decode_kernel, sig, consts)

@@ -421,7 +421,7 @@ def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: in
         pages = padded // ps
         page_table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
         run = sel.plan_decode(page_table, k_lens.to(torch.int32),
-                              **_plan_args(sel.plan_decode, max_seq_len=max_k))
+                              **_plan_args(sel.plan_decode, max_seq_len=max_k, context_tokens=total_k))
         return _DensePlan(True, run, (), (rows, pos))
     cu_q = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
@@ -550,7 +550,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
 
         def plan_decode():
             page_table, lens = paged_page_table(read_index[group], cu_seq_lens_k, block, int(max_seqlen_k))
-            return sel.plan_decode(page_table, lens, **_plan_args(sel.plan_decode, max_seq_len=int(max_seqlen_k)))
+            return sel.plan_decode(page_table, lens, **_plan_args(sel.plan_decode, max_seq_len=int(max_seqlen_k),
+                                                                  context_tokens=read_index[group].numel()))
 
         run = _paged_steps.get(module.layer_idx, ("decode", group, id(sel)), plan_decode, query.device)
         kvh, d = k_cache.shape[-2:]

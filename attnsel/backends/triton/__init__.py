@@ -68,23 +68,26 @@ SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs pe
 
 
 def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
-                  sms: int | None) -> tuple[int, int]:
-    """(num_splits, chunk) of a decode plan: the grid's split axis and the tokens per split that a row aims at.
+                  sms: int | None) -> tuple[int, int, int]:
+    """(num_splits, target, min_chunk) of a decode plan: the grid's split axis, the programs the kernel aims at, and
+    the fewest tokens a split reads (kernels.decode_kernel computes each row's splits from these and the lengths
+    it reads at run time).
 
-    The batch's tokens (``total_len``, summed over rows, each at most the window) are cut into chunks so that the
-    programs (batch x kv_heads x splits used) come to about SPLIT_PROGRAMS_PER_SM per SM, each chunk at least two
-    tiles; a row of n tokens uses round(n / chunk) splits (at least 1, at most num_splits, which the longest row
-    needs, at most 64). ``sms``: the GPU's multiprocessor count, None under the interpreter. H200 sweep 2026-12-03 (bench/results/2026-12-03-round4, scripts/gpu_triton_decode.py):
-    384-528 programs ran within 2% of the best split count while 576 and 768 ran 1.12-1.32x slower (a partly
-    filled last round of programs), and with one split count for every row (the longest's) a ragged batch of one
-    long and seven short rows ran 2.2x slower than with splits per row.
+    The batch's tokens (``total_len``, summed over rows, each at most the window) are cut into chunks of
+    max(min_chunk, total_len x kv_heads / target) so that the programs that read come to about
+    SPLIT_PROGRAMS_PER_SM per SM; a row of n tokens uses round(n / chunk) splits (at least 1, at most num_splits:
+    what the longest row needs now, at most 64). ``sms``: the GPU's multiprocessor count, None under the
+    interpreter. H200 sweep 2026-12-03 (bench/results/2026-12-03-round4, scripts/gpu_triton_decode.py): 384-528
+    programs ran within 2% of the best split count while 576 and 768 ran 1.12-1.32x slower (a partly filled last
+    round of programs), and with one split count for every row (the longest's) a ragged batch of one long and
+    seven short rows ran 2.2x slower than with splits per row.
     """
     if sms is None:  # the interpreter (no GPU): still exercise the split path on long contexts
-        chunk = 4 * block_n
-        return (1 if max_len <= chunk else 2), chunk
-    exact = total_len * kv_heads / (SPLIT_PROGRAMS_PER_SM * sms)
-    chunk = max(2 * block_n, round(exact))
-    return max(1, min(round(max_len / chunk), 64)), chunk
+        min_chunk = 4 * block_n
+        return (1 if max_len <= min_chunk else 2), 2**30, min_chunk
+    target, min_chunk = SPLIT_PROGRAMS_PER_SM * sms, 2 * block_n
+    chunk = max(min_chunk, total_len * kv_heads // target)
+    return max(1, min(round(max_len / chunk), 64)), target, min_chunk
 
 
 def _scale_args(spec: AttentionSpec) -> tuple[float, float]:
@@ -172,9 +175,11 @@ class TritonBackend:
         max_len, total_len = torch.stack((spans.max().long(), spans.sum())).tolist() if batch else (1, 1)
         sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
                if seq_lens.device.type == "cuda" else None)
-        splits, chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1), cfg.block_n, sms)
+        splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),
+                                                  cfg.block_n, sms)
         block_d = triton_next_pow2(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
+        block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
         device = seq_lens.device
         page_table = page_table.to(torch.int32)
         lens = seq_lens.to(torch.int32)
@@ -203,12 +208,13 @@ class TritonBackend:
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
             decode_kernel[(batch, spec.num_kv_heads, splits)](
                 q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, sinks,
-                k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, chunk, heads,
+                k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, target, min_chunk, batch, heads,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
                 out.stride(0), out.stride(1), *part_strides,
                 GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
-                PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1, WINDOW=window, SOFTCAP=softcap,
+                PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
+                BLOCK_B=block_b, WINDOW=window, SOFTCAP=softcap,
                 HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if splits > 1:

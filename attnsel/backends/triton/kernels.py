@@ -153,20 +153,22 @@ def prefill_kernel(Q, K, V, O, cu_q, cu_k, SINKS, scale_in,
 
 
 @triton.jit
-def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCALE, scale_in, num_splits, chunk,
-                  num_heads,
+def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCALE, scale_in, num_splits, target,
+                  min_chunk, batch, num_heads,
                   stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   stride_ptb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
+                  WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (batch, num_kv_heads, num_splits): the query heads of one KV head read each K/V tile once.
 
-    Splits: row b uses n = round(span / chunk) of them, at least 1 and at most num_splits (span: the tokens it
-    reads), each cdiv(span, n) tokens rounded up to BLOCK_N; a program of a split its row does not use writes only
-    lse = -inf (the reduce reads no partial output there). So in a ragged batch a long row gets more splits than a
-    short one (the plan sizes ``chunk`` by the batch's total tokens), and a plan replayed on longer rows (a CUDA
-    graph) spreads them over all num_splits.
+    Splits: the batch's tokens (every row's span summed, read from LENS by each program: a CUDA graph replayed at
+    other lengths re-plans itself) are cut into chunks of max(min_chunk, total x kv_heads / target) tokens, so
+    that the programs that read come to about ``target``; row b uses n = round(span / chunk) splits, at least 1
+    and at most num_splits (span: the tokens it reads), each cdiv(span, n) tokens rounded up to BLOCK_N. A program
+    of a split its row does not use writes only lse = -inf (the reduce reads no partial output there). So in a
+    ragged batch a long row gets more splits than a short one.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -176,8 +178,14 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
     if WINDOW > 0:
         lo = tl.maximum(seq_len - WINDOW, 0)
     span = seq_len - lo
-    used = tl.maximum(tl.minimum(num_splits, (span + chunk // 2) // chunk), 1)
+    used = 1
     if SPLIT:
+        offs_b = tl.arange(0, BLOCK_B)
+        spans = tl.load(LENS + offs_b, mask=offs_b < batch, other=0).to(tl.int64)
+        if WINDOW > 0:
+            spans = tl.minimum(spans, WINDOW)
+        chunk = tl.maximum(tl.sum(spans, 0) * tl.num_programs(1) // target, min_chunk)
+        used = tl.maximum(tl.minimum((span + chunk // 2) // chunk, num_splits), 1).to(tl.int32)
         if split >= used:  # nothing to read: an empty partial (the reduce skips it)
             heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
             tl.store(LSE_part + (b * num_heads + heads) * num_splits + split,
