@@ -131,10 +131,11 @@ def test_decode_split_plan_fills_the_gpu_and_follows_the_rows():
     count, at least two tiles per split; a ragged batch's chunk comes from its total tokens."""
     assert tb.decode_splits(24, 8, 6000, 24 * 6000, 64, 132) == (2, 396, 128)  # 384 programs, not 576
     assert tb.decode_splits(6, 8, 12000, 6 * 12000, 64, 132)[0] == 8  # 384 programs
-    assert tb.decode_splits(1, 8, 1500, 1500, 64, 132)[0] == 12  # two tiles per split at least
+    assert tb.decode_splits(1, 8, 1500, 1500, 64, 132)[0] == 50  # room for 396 / 8; the row uses 1500 / 128 = 12
     assert tb.decode_splits(200, 8, 9000, 200 * 9000, 64, 132)[0] == 1
     assert tb.decode_splits(8, 8, 9000, 18820, 64, 132)[0] == 24  # one 9000-token row among short ones
     assert tb.decode_splits(1, 1, 10**6, 10**6, 64, 132)[0] == 64  # one KV head would want 396: at most 64
+    assert tb.decode_splits(8, 8, 16, 8 * 16, 64, 132)[0] == 6  # planned on dummy lengths: room for 396 / 64
     assert tb.decode_splits(4, 8, 100, 400, 32, None) == (1, 2**30, 128)  # the interpreter
     assert tb.decode_splits(4, 8, 200, 800, 32, None) == (2, 2**30, 128)
 

@@ -76,7 +76,7 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block
     The batch's tokens (``total_len``, summed over rows, each at most the window) are cut into chunks of
     max(min_chunk, total_len x kv_heads / target) so that the programs that read come to about
     SPLIT_PROGRAMS_PER_SM per SM; a row of n tokens uses round(n / chunk) splits (at least 1, at most num_splits:
-    what the longest row needs now, at most 64). ``sms``: the GPU's multiprocessor count, None under the
+    what the longest row needs now or what rows of equal length need at any length, whichever is more, at most 64). ``sms``: the GPU's multiprocessor count, None under the
     interpreter. H200 sweep 2026-12-03 (bench/results/2026-12-03-round4, scripts/gpu_triton_decode.py): 384-528
     programs ran within 2% of the best split count while 576 and 768 ran 1.12-1.32x slower (a partly filled last
     round of programs), and with one split count for every row (the longest's) a ragged batch of one long and
@@ -87,7 +87,9 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block
         return (1 if max_len <= min_chunk else 2), 2**30, min_chunk
     target, min_chunk = SPLIT_PROGRAMS_PER_SM * sms, 2 * block_n
     chunk = max(min_chunk, total_len * kv_heads // target)
-    return max(1, min(round(max_len / chunk), 64)), target, min_chunk
+    uniform = round(target / (batch * kv_heads))  # what rows of equal length use at any length: a plan made at a
+    # short context (a CUDA graph captured on small dummy lengths) keeps room for the splits its replays need
+    return max(1, min(max(round(max_len / chunk), uniform), 64)), target, min_chunk
 
 
 def _scale_args(spec: AttentionSpec) -> tuple[float, float]:
