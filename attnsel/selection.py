@@ -333,6 +333,13 @@ def _check_unit_stride(**tensors: torch.Tensor) -> None:
                              f"{tuple(t.stride())}; pass {arg}.contiguous()")
 
 
+def _raise_first_non_tensor(device: int, **args: tuple) -> None:
+    """ValueError naming the first argument that is not a torch.Tensor (args: name -> (value, shape, dtype))."""
+    for arg, (value, shape, dtype) in args.items():
+        if not isinstance(value, torch.Tensor):
+            raise _expect(arg, value, shape, dtype, device) from None
+
+
 def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
                     total_k: int | None) -> RunFn:
     """run(q, k, v, **features) with the tensors checked against the spec and plan: host metadata only, no sync.
@@ -342,28 +349,33 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
 
     def checked(q, k, v, **kwargs):
         try:
-            tq, q1, q2 = q.shape
-        except (AttributeError, ValueError):
-            tq = -1
-        if (tq < 0 or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device
-                or (total_q is not None and tq != total_q)):
-            raise _expect("q", q, (total_q, hq, d), dt, device)
-        try:
-            tk, k1, k2 = k.shape
-        except (AttributeError, ValueError):
-            tk = -1
-        if (tk < 0 or k1 != hk or k2 != d or k.dtype is not dt or k.get_device() != device
-                or (total_k is not None and tk != total_k)):
-            raise _expect("k", k, (total_k, hk, d), dt, device)
-        try:
-            tv, v1, v2 = v.shape
-        except (AttributeError, ValueError):
-            tv = -1
-        if tv != tk or v1 != k1 or v2 != k2 or v.dtype is not dt or v.get_device() != device:
-            raise _expect("v", v, (tk, hk, d), dt, device)
-        if (d > 1 and not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # the cheap common case
-                and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1)):
-            _check_unit_stride(q=q, k=k, v=v)
+            try:
+                tq, q1, q2 = q.shape
+            except (AttributeError, ValueError):
+                tq = -1
+            if (tq < 0 or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device
+                    or (total_q is not None and tq != total_q)):
+                raise _expect("q", q, (total_q, hq, d), dt, device)
+            try:
+                tk, k1, k2 = k.shape
+            except (AttributeError, ValueError):
+                tk = -1
+            if (tk < 0 or k1 != hk or k2 != d or k.dtype is not dt or k.get_device() != device
+                    or (total_k is not None and tk != total_k)):
+                raise _expect("k", k, (total_k, hk, d), dt, device)
+            try:
+                tv, v1, v2 = v.shape
+            except (AttributeError, ValueError):
+                tv = -1
+            if tv != tk or v1 != k1 or v2 != k2 or v.dtype is not dt or v.get_device() != device:
+                raise _expect("v", v, (tk, hk, d), dt, device)
+            if (d > 1 and not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # the cheap common case
+                    and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1)):
+                _check_unit_stride(q=q, k=k, v=v)
+        except AttributeError:  # an object with a shape but not a tensor's other attributes
+            _raise_first_non_tensor(device, q=(q, (total_q, hq, d), dt), k=(k, (total_k, hk, d), dt),
+                                    v=(v, (None, hk, d), dt))
+            raise
         if kwargs or not plain:
             _check_features(spec, kwargs, "prefill")
         return run(q, k, v, **kwargs)
@@ -379,27 +391,32 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
 
     def checked(q, k_cache, v_cache, **kwargs):
         try:
-            b, q1, q2 = q.shape
-        except (AttributeError, ValueError):
-            b = -1
-        if b != batch or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device:
-            raise _expect("q", q, (batch, hq, d), dt, device)
-        try:
-            kn, p, k1, k2 = k_cache.shape
-        except (AttributeError, ValueError):
-            p = -1
-        if p != ps or k1 != hk or k2 != d or k_cache.dtype is not kdt or k_cache.get_device() != device:
-            raise _expect("k_cache", k_cache, (None, ps, hk, d), kdt, device)
-        try:
-            vn, vp, v1, v2 = v_cache.shape
-        except (AttributeError, ValueError):
-            vp = -1
-        if (vp != ps or v1 != hk or v2 != d or vn != kn or v_cache.dtype is not kdt
-                or v_cache.get_device() != device):
-            raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
-        if (d > 1 and not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
-                and (q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1)):
-            _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
+            try:
+                b, q1, q2 = q.shape
+            except (AttributeError, ValueError):
+                b = -1
+            if b != batch or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device:
+                raise _expect("q", q, (batch, hq, d), dt, device)
+            try:
+                kn, p, k1, k2 = k_cache.shape
+            except (AttributeError, ValueError):
+                p = -1
+            if p != ps or k1 != hk or k2 != d or k_cache.dtype is not kdt or k_cache.get_device() != device:
+                raise _expect("k_cache", k_cache, (None, ps, hk, d), kdt, device)
+            try:
+                vn, vp, v1, v2 = v_cache.shape
+            except (AttributeError, ValueError):
+                vp = -1
+            if (vp != ps or v1 != hk or v2 != d or vn != kn or v_cache.dtype is not kdt
+                    or v_cache.get_device() != device):
+                raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
+            if (d > 1 and not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+                    and (q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1)):
+                _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
+        except AttributeError:  # an object with a shape but not a tensor's other attributes
+            _raise_first_non_tensor(device, q=(q, (batch, hq, d), dt), k_cache=(k_cache, (None, ps, hk, d), kdt),
+                                    v_cache=(v_cache, (None, ps, hk, d), kdt))
+            raise
         if kwargs or not plain:
             _check_features(spec, kwargs, "decode")
         return run(q, k_cache, v_cache, **kwargs)

@@ -3,6 +3,7 @@ batch size, the cache round trip, the JSON schema, and the checked run functions
 (the real worker runs once, on the CPU grid)."""
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -349,6 +350,9 @@ def test_decode_run_names_the_bad_argument():
     assert str(exc.value) == "v_cache: expected [4, 16, 2, 64] fp16 on cpu, got [4, 16, 2, 64] bf16 on cpu"
     with pytest.raises(ValueError, match="^v_cache: expected .* got None$"):
         run(q, kc, None)
+    look_alike = types.SimpleNamespace(shape=(4, 16, 2, 64), dtype=torch.float16)  # no tensor methods
+    with pytest.raises(ValueError, match="^v_cache: expected .* got SimpleNamespace$"):
+        run(q, kc, look_alike)
     with pytest.raises(ValueError, match="^k_scale: given, but the spec's KV cache is fp16"):
         run(q, kc, kc, k_scale=torch.ones(1))
     assert torch.equal(run(q, kc, kc), TORCH.plan_decode(SPEC, page_table, seq_lens)(q, kc, kc))
