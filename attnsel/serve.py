@@ -5,11 +5,15 @@ attention shape at start-up and prints it (``prefill: X, decode: Y`` and why, pe
 ``transformers.cli.serve.Serve`` with the model preloaded. transformers' CLI would refuse the name (its
 ``ModelManager`` accepts only its built-in names or Hub kernels) and could not see a registration made elsewhere, so
 the only change made to it is that check: for the duration of the start-up, ``ModelManager`` is a subclass that
-validates its other arguments as usual and lets attnsel's registered names through.
+validates its other arguments as usual and lets attnsel's registered names through. transformers >= 5.25 validates
+in ``ModelLoader`` and loads the model in a process of its own, where only a Hub-kernel name survives: there attnsel
+serves as ``"attnsel/flash-attn"`` (``hf_kernels.register_kernel``; needs ``kernels>=0.19.1``), with and without
+continuous batching, and no check is changed.
 
 Needs ``pip install 'attnsel[serve]'`` (fastapi, uvicorn, openai, pydantic: what transformers' ``is_serve_available``
 checks). Implementations: ``attnsel`` (dense ``generate``, the default), or with ``--continuous-batching``
-``paged|attnsel`` on transformers 5.17 and ``attnsel_flash`` on >= 5.19.
+``paged|attnsel`` on transformers 5.17 and ``attnsel_flash`` on 5.19 to 5.24; ``attnsel/flash-attn`` for both on
+>= 5.25.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="auto",
                    help="model dtype (default: the config's torch_dtype, else fp32)")
     p.add_argument("--continuous-batching", action="store_true",
-                   help="transformers' continuous batching (paged|attnsel on 5.17, attnsel_flash on >= 5.19)")
+                   help="transformers' continuous batching (paged|attnsel on 5.17, attnsel_flash on 5.19 to 5.24, "
+                        "attnsel/flash-attn on >= 5.25)")
 
 
 def unavailable() -> str | None:
@@ -91,8 +96,13 @@ def _accept_names(names: list[str]):
 
 
 def implementation(continuous_batching: bool, registered: list[str]) -> str:
-    from .integrations import hf
+    from .integrations import hf, hf_kernels
 
+    if hf_kernels.KERNEL_NAME in registered:  # transformers >= 5.25: the one name its server (and model process) takes
+        return hf_kernels.KERNEL_NAME
+    if hf_kernels.kernel_versions():
+        raise ValueError(f"transformers' server accepts attnsel only as the Hub kernel {hf_kernels.KERNEL_NAME}: "
+                         f"{hf_kernels.kernel_unsupported()}")
     if not continuous_batching:
         return hf.NAME
     for name in (hf.PAGED_NAME, "attnsel_flash"):
@@ -116,7 +126,7 @@ def start_selection(model_dir: Path, impl: str, dtype: torch.dtype | None, devic
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    if impl == "attnsel_flash":
+    if impl in ("attnsel_flash", "attnsel/flash-attn"):
         return flash_api.selection_for(hf.model_spec(config, dtype, flash_api.DEFAULT_PAGE_SIZE), dev)
     page_size = hf.DENSE_PAGE_SIZE if impl == hf.NAME else 256  # 5.17's continuous batching: blocks of 256
     return hf.selection_for(hf.model_spec(config, dtype, page_size), dev)

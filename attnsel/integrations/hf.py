@@ -110,6 +110,13 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
         log.info("attnsel: %s not registered: %s; use %s for continuous batching", PAGED_NAME, reason,
                     hf_kernels.NAME)
         names += hf_kernels.register(prefill, decode, **select_options)
+    from . import hf_kernels
+
+    reason = hf_kernels.kernel_unsupported()
+    if reason is None:  # transformers >= 5.25: the Hub-kernel name, which its server accepts
+        names += hf_kernels.register_kernel(prefill, decode, **select_options)
+    else:
+        log.info("attnsel: %s not registered: %s", hf_kernels.KERNEL_NAME, reason)
     return names
 
 

@@ -16,20 +16,42 @@ the signature it knows and refuses to install otherwise, with the reason.
 
 Usage: ``attnsel.integrations.hf_kernels.register()`` (or ``attnsel.integrations.hf.register()``, which calls it on
 these versions) before ``from_pretrained(..., attn_implementation="attnsel_flash")``, then ``generate_batch``.
+
+transformers >= 5.25 (kernels >= 0.19.1): the Hub-kernel name ``"attnsel/flash-attn"`` (``register_kernel()``), the
+only kind of custom name its server accepts. No Hub: attnsel writes a local kernel repository in the kernels layout
+(``build/torch-{cpu,cuda}/metadata.json`` with a digest of its files, and a package that re-exports this module's
+three functions) under attnsel's cache directory and maps the name to it in ``LOCAL_KERNELS``, which kernels'
+``get_kernel`` resolves before the Hub (no publisher-trust check applies to a local path). transformers then loads it
+and registers its own ``flash_attention_forward`` for the name, as for any Hub flash kernel; the environment
+(``LOCAL_KERNELS``, ``ATTNSEL_KERNEL_OPTIONS``: the selection options) carries the route into processes transformers
+spawns, such as ``transformers serve``'s model process.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import inspect
+import json
 import logging
+import os
+from pathlib import Path
 
 import torch
 
 from .. import flash_api
+from ..cache import default_dir
 
 log = logging.getLogger(__name__)
 
 NAME = "attnsel_flash"
 _KNOWN_PARAMS = ["implementation", "attention_wrapper", "allow_all_kernels"]
+KERNEL_NAME = "attnsel/flash-attn"  # no "2"/"3": transformers' FA2/FA3-only block-table decode path stays off
+KERNEL_FROM = (5, 25)  # checked on 5.25 with kernels 0.19.1
+ENV_OPTIONS = "ATTNSEL_KERNEL_OPTIONS"
+_KERNEL_BACKENDS = ("cpu", "cuda")  # kernels' noarch variants torch-<backend>: the devices attnsel is tested on
+_SHIM = ('"""attnsel.integrations.hf_kernels\' functions in the kernels layout (written by that module)."""\n'
+         "from attnsel.integrations.hf_kernels import _configure_from_env, flash_attn_func, flash_attn_varlen_func, "
+         "flash_attn_with_kvcache  # noqa: F401\n\n_configure_from_env()\n")
 
 
 def unsupported() -> str | None:
@@ -78,6 +100,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     return out.view(batch, len_q, heads, dim)
 
 
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, s_aux=None):
+    """attnsel.flash_attn_with_kvcache under the names transformers probes for (``s_aux``: sinks). transformers calls
+    it only on its FA2/FA3-named block-table decode path, which KERNEL_NAME does not take."""
+    return flash_api.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                                             page_table=page_table, softmax_scale=softmax_scale, causal=causal,
+                                             window_size=window_size, softcap=softcap, sinks=s_aux)
+
+
 def _install_lazy_import_hook() -> None:
     from transformers import modeling_flash_attention_utils as mfau
 
@@ -110,3 +141,76 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     AttentionInterface.register(NAME, flash_attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     return [NAME]
+
+
+def kernel_versions() -> bool:
+    """Whether the installed transformers is one the Hub-kernel route is for (>= 5.25)."""
+    import transformers
+
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= KERNEL_FROM
+
+
+def kernel_unsupported() -> str | None:
+    """Why the Hub-kernel name cannot be registered with the installed transformers, or None."""
+    import transformers
+
+    if not kernel_versions():
+        return f"the Hub-kernel route needs transformers >= 5.25 (found {transformers.__version__})"
+    from transformers.utils.import_utils import is_kernels_available
+
+    if not is_kernels_available():
+        return (f"transformers {transformers.__version__} finds no usable kernels package "
+                "(pip install 'kernels>=0.19.1')")
+    return None
+
+
+def write_kernel_repo(root: Path) -> Path:
+    """Write (or keep, when unchanged) the local kernel repository at ``root``; returns root. Each variant's
+    metadata records the sha256 of the package file, which kernels checks at every load."""
+    from kernels import Metadata
+
+    digest = base64.b64encode(hashlib.sha256(_SHIM.encode()).digest()).decode()
+    for backend in _KERNEL_BACKENDS:
+        variant = root / "build" / f"torch-{backend}"
+        _write(variant / "attnsel_flash_attn" / "__init__.py", _SHIM)
+        meta = {"name": "attnsel-flash-attn", "id": "_attnsel_flash_attn", "version": 1, "license": "Apache-2.0",
+                "python-depends": [], "backend": {"type": backend},
+                "digest": {"algorithm": "sha256", "files": {"attnsel_flash_attn/__init__.py": digest}}}
+        _write(variant / "metadata.json", json.dumps(meta, indent=1) + "\n")
+        Metadata.read_from_file(variant / "metadata.json")  # raises if this kernels cannot read it
+    return root
+
+
+def _write(path: Path, text: str) -> None:
+    if path.is_file() and path.read_text() == text:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic: another process never reads half a file
+
+
+def register_kernel(prefill: str | None = None, decode: str | None = None, **select_options) -> list[str]:
+    """Make ``attn_implementation="attnsel/flash-attn"`` load attnsel (transformers >= 5.25); returns
+    ``[KERNEL_NAME]``. Options: as ``register``. RuntimeError with the reason where the route is unavailable."""
+    reason = kernel_unsupported()
+    if reason:
+        raise RuntimeError(f"attnsel: cannot register {KERNEL_NAME}: {reason}")
+    root = default_dir() / "hub-kernel"
+    if ":" in str(root):
+        raise RuntimeError(f"attnsel: LOCAL_KERNELS separates its entries with ':', so the kernel repository cannot "
+                           f"live at {root}; set ATTNSEL_CACHE_DIR to a path without ':'")
+    write_kernel_repo(root)
+    flash_api.configure(prefill, decode, **select_options)
+    os.environ[ENV_OPTIONS] = json.dumps(flash_api._options, default=str)
+    entries = [e for e in os.environ.get("LOCAL_KERNELS", "").split(":") if e and e.split("=")[0] != KERNEL_NAME]
+    os.environ["LOCAL_KERNELS"] = ":".join(entries + [f"{KERNEL_NAME}={root}"])
+    return [KERNEL_NAME]
+
+
+def _configure_from_env() -> None:
+    """In a process that did not call ``register_kernel`` (one transformers spawned), the options of the one that
+    did; a no-op where they are already in force."""
+    options = json.loads(os.environ.get(ENV_OPTIONS) or "{}")
+    if options != flash_api._options:
+        flash_api.configure(**options)
