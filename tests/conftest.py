@@ -23,6 +23,8 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("ATTNSEL_BACKENDS", raising=False)
     monkeypatch.delenv("ATTNSEL_VALIDATION_TIMEOUT", raising=False)
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)  # hf.register() sets these on transformers >= 5.25
+    monkeypatch.delenv("ATTNSEL_KERNEL_OPTIONS", raising=False)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))

@@ -1,0 +1,117 @@
+"""transformers >= 5.25: attnsel as the Hub kernel "attnsel/flash-attn", loaded by transformers through the kernels
+library from the local repository attnsel writes (LOCAL_KERNELS), with the Hub offline: the same tokens as sdpa for
+generate (with padding) and generate_batch, and a fresh process (as transformers serve spawns) needs only the
+environment."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from attnsel import flash_api  # noqa: E402
+from attnsel.integrations import hf, hf_kernels  # noqa: E402
+
+pytestmark = pytest.mark.skipif(hf_kernels.kernel_unsupported() is not None,
+                                reason=f"{hf_kernels.kernel_unsupported()} (.ci/run tests the newest transformers)")
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [12, 13], [20, 21, 22, 23, 24], [7] * 19]
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "llama")
+    return str(tmp_path / "llama")
+
+
+@pytest.fixture(autouse=True)
+def _registered(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # kernels reads it when get_kernel is called
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("ATTNSEL_PREFILL_BACKEND", raising=False)
+    monkeypatch.delenv("ATTNSEL_DECODE_BACKEND", raising=False)
+    names = hf.register("torch", "torch", policy="priority")
+    assert hf_kernels.KERNEL_NAME in names
+    flash_api.reset()
+    yield
+
+
+def load(path, implementation):
+    return transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation=implementation,
+                                                         dtype=torch.float32).eval()
+
+
+def test_generate_with_padding_matches_sdpa(tiny_llama):
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    gen = dict(attention_mask=(ids != 0).long(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ours = load(tiny_llama, hf_kernels.KERNEL_NAME)
+    assert ours.config._attn_implementation == hf_kernels.KERNEL_NAME
+    assert torch.equal(load(tiny_llama, "sdpa").generate(input_ids=ids, **gen), ours.generate(input_ids=ids, **gen))
+    assert any(key[0] == "prefill" for key in flash_api._plans)  # the varlen calls went through attnsel
+    kernel = sys.modules["_attnsel_flash_attn"]  # what kernels imported from the local repository
+    assert kernel.flash_attn_varlen_func is hf_kernels.flash_attn_varlen_func
+
+
+def test_generate_batch_matches_builtin(tiny_llama):
+    gen = transformers.GenerationConfig(max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def tokens(model):
+        out = model.generate_batch(PROMPTS, generation_config=gen, progress_bar=False)
+        return [out[r].generated_tokens for r in sorted(out, key=lambda r: int(r.split("_")[-1]))]
+
+    expected = tokens(load(tiny_llama, "sdpa"))
+    model = load(tiny_llama, hf_kernels.KERNEL_NAME)
+    assert tokens(model) == expected
+    assert model.config._attn_implementation == hf_kernels.KERNEL_NAME
+    assert any(key[0] == "prefill" for key in flash_api._plans)
+
+
+def test_a_fresh_process_needs_only_the_environment(tiny_llama):
+    """What transformers serve's model process does: no attnsel import, no register(); the name resolves through
+    LOCAL_KERNELS and the selection options come from ATTNSEL_KERNEL_OPTIONS."""
+    script = (
+        "import json, sys, torch, transformers\n"
+        "m = transformers.LlamaForCausalLM.from_pretrained(sys.argv[1], attn_implementation='attnsel/flash-attn', "
+        "dtype=torch.float32).eval()\n"
+        "out = m.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, do_sample=False, pad_token_id=0)\n"
+        "from attnsel import flash_api\n"
+        "print(json.dumps({'tokens': out.tolist(), 'options': flash_api._options, 'plans': len(flash_api._plans),"
+        " 'kernel': sys.modules['_attnsel_flash_attn'].__file__}))\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", script, tiny_llama], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    expected = load(tiny_llama, "sdpa").generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8,
+                                                 do_sample=False, pad_token_id=0)
+    assert got["tokens"] == expected.tolist()
+    assert got["options"] == {"policy": "priority", "prefill": "torch", "decode": "torch"} and got["plans"] >= 1
+    assert got["kernel"].startswith(os.environ["ATTNSEL_CACHE_DIR"])  # the repository register() wrote
+
+
+def test_transformers_passes_sinks_and_page_table():
+    """transformers passes only the arguments a kernel function declares: s_aux (sinks) and the block table must not
+    be dropped silently."""
+    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
+
+    for func, table in ((hf_kernels.flash_attn_varlen_func, None), (hf_kernels.flash_attn_with_kvcache, "page_table")):
+        process = _lazy_define_process_function(func)
+        kwargs = process(query_length=1, key_length=4, is_causal=True, s_aux=torch.zeros(4),
+                         block_table=torch.zeros(1, 1, dtype=torch.int32))
+        assert "s_aux" in kwargs
+        assert (table in kwargs) if table else "page_table" not in kwargs
+
+
+def test_other_local_kernels_are_kept(monkeypatch):
+    monkeypatch.setenv("LOCAL_KERNELS", "someone/other=/x/y:attnsel/flash-attn=/stale")
+    hf_kernels.register_kernel()
+    entries = os.environ["LOCAL_KERNELS"].split(":")
+    assert entries[0] == "someone/other=/x/y" and len(entries) == 2
+    assert entries[1] == f"{hf_kernels.KERNEL_NAME}={os.environ['ATTNSEL_CACHE_DIR']}/hub-kernel"
