@@ -83,6 +83,8 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
 
     prefill/decode: "auto" or a backend name (default $ATTNSEL_PREFILL_BACKEND / $ATTNSEL_DECODE_BACKEND or auto);
     select_options go to ``attnsel.select`` (policy, mode, priorities, timeout, cache_dir, use_cache).
+    transformers >= 5.25 with kernels: also ``"attnsel/flash-attn"`` (``hf_kernels.register_kernel``: writes a local
+    kernel repository under attnsel's cache directory and sets ``LOCAL_KERNELS`` and ``ATTNSEL_KERNEL_OPTIONS``).
     """
     try:
         from transformers import AttentionInterface
