@@ -23,8 +23,9 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("ATTNSEL_BACKENDS", raising=False)
     monkeypatch.delenv("ATTNSEL_VALIDATION_TIMEOUT", raising=False)
-    monkeypatch.delenv("LOCAL_KERNELS", raising=False)  # hf.register() sets these on transformers >= 5.25
-    monkeypatch.delenv("ATTNSEL_KERNEL_OPTIONS", raising=False)
+    for name in ("LOCAL_KERNELS", "ATTNSEL_KERNEL_OPTIONS"):  # hf.register() sets these on transformers >= 5.25:
+        monkeypatch.setenv(name, "")  # recorded (absent or not) so that teardown restores it, then removed
+        monkeypatch.delenv(name)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))

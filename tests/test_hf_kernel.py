@@ -114,4 +114,25 @@ def test_other_local_kernels_are_kept(monkeypatch):
     hf_kernels.register_kernel()
     entries = os.environ["LOCAL_KERNELS"].split(":")
     assert entries[0] == "someone/other=/x/y" and len(entries) == 2
-    assert entries[1] == f"{hf_kernels.KERNEL_NAME}={os.environ['ATTNSEL_CACHE_DIR']}/hub-kernel"
+    name, root = entries[1].split("=")
+    assert name == hf_kernels.KERNEL_NAME and root.startswith(os.environ["ATTNSEL_CACHE_DIR"] + "/hub-kernel-")
+
+
+def test_kernel_repo_is_written_once_whole_and_ignores_leftovers(tmp_path):
+    """A writer killed midway leaves a temporary directory beside the repository, never a stray file inside it
+    (kernels checks every file of a variant against the digest); a second write keeps the first repository."""
+    pytest.importorskip("kernels")
+    stray = tmp_path / ".hub-kernel-000000000000.4242" / "build"  # another process's half-built copy
+    stray.mkdir(parents=True)
+    root = hf_kernels.write_kernel_repo(tmp_path)
+    assert root.name.startswith("hub-kernel-") and not any(p.name.startswith(".") for p in root.rglob("*"))
+    mtime = (root / "build" / "torch-cpu" / "metadata.json").stat().st_mtime_ns
+    assert hf_kernels.write_kernel_repo(tmp_path) == root
+    assert (root / "build" / "torch-cpu" / "metadata.json").stat().st_mtime_ns == mtime
+
+
+def test_options_that_cannot_cross_processes_are_refused():
+    with pytest.raises(TypeError, match="option prefill_priority=.*cannot reach processes transformers spawns"):
+        hf_kernels._json_options({"prefill_priority": {"torch"}})
+    assert hf_kernels._json_options({"prefill_priority": ("triton", "torch"), "timeout": 30, "cache_dir": None}) == {
+        "prefill_priority": ["triton", "torch"], "timeout": 30, "cache_dir": None}

@@ -95,7 +95,10 @@ def test_startup_prints_the_selection(server):
     text = log.read()
     assert "prefill: torch, decode: torch" in text
     assert "prefill (explicit):" in text and "torch: selected" in text
-    assert "attn_implementation=attnsel" in text
+    from attnsel.integrations import hf_kernels  # transformers >= 5.25 serves attnsel only as its Hub-kernel name
+
+    name = hf_kernels.KERNEL_NAME if hf_kernels.kernel_unsupported() is None else "attnsel"
+    assert f"attn_implementation={name} on http" in text
 
 
 def test_chat_completion_stream_and_bad_request(server):

@@ -116,7 +116,10 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
 
     reason = hf_kernels.kernel_unsupported()
     if reason is None:  # transformers >= 5.25: the Hub-kernel name, which its server accepts
-        names += hf_kernels.register_kernel(prefill, decode, **select_options)
+        try:
+            names += hf_kernels.register_kernel(prefill, decode, **select_options)
+        except (OSError, RuntimeError) as exc:  # e.g. a read-only cache: the other names still serve
+            log.warning("attnsel: %s not registered: %s", hf_kernels.KERNEL_NAME, exc)
     else:
         log.info("attnsel: %s not registered: %s", hf_kernels.KERNEL_NAME, reason)
     return names

@@ -34,6 +34,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -164,30 +165,51 @@ def kernel_unsupported() -> str | None:
     return None
 
 
-def write_kernel_repo(root: Path) -> Path:
-    """Write (or keep, when unchanged) the local kernel repository at ``root``; returns root. Each variant's
-    metadata records the sha256 of the package file, which kernels checks at every load."""
+def write_kernel_repo(parent: Path) -> Path:
+    """The local kernel repository under ``parent``, written once: its directory is named after the digest of what it
+    holds, built beside it under a temporary name and renamed into place whole, so a reader (another process, a
+    later attnsel) never sees it half-written or changed, and a writer killed midway leaves only a temporary
+    directory that no one loads. Each variant's metadata records the sha256 of the package file, which kernels
+    checks at every load (it counts every file in the variant, so nothing else may live there)."""
     from kernels import Metadata
 
     digest = base64.b64encode(hashlib.sha256(_SHIM.encode()).digest()).decode()
+    root = parent / f"hub-kernel-{hashlib.sha256(_SHIM.encode()).hexdigest()[:12]}"
+    if root.is_dir():
+        return root
+    tmp = parent / f".{root.name}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
     for backend in _KERNEL_BACKENDS:
-        variant = root / "build" / f"torch-{backend}"
-        _write(variant / "attnsel_flash_attn" / "__init__.py", _SHIM)
+        variant = tmp / "build" / f"torch-{backend}"
+        (variant / "attnsel_flash_attn").mkdir(parents=True)
+        (variant / "attnsel_flash_attn" / "__init__.py").write_text(_SHIM)
         meta = {"name": "attnsel-flash-attn", "id": "_attnsel_flash_attn", "version": 1, "license": "Apache-2.0",
                 "python-depends": [], "backend": {"type": backend},
                 "digest": {"algorithm": "sha256", "files": {"attnsel_flash_attn/__init__.py": digest}}}
-        _write(variant / "metadata.json", json.dumps(meta, indent=1) + "\n")
+        (variant / "metadata.json").write_text(json.dumps(meta, indent=1) + "\n")
         Metadata.read_from_file(variant / "metadata.json")  # raises if this kernels cannot read it
+    try:
+        os.rename(tmp, root)
+    except OSError:  # another process renamed its copy first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not root.is_dir():
+            raise
     return root
 
 
-def _write(path: Path, text: str) -> None:
-    if path.is_file() and path.read_text() == text:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # atomic: another process never reads half a file
+def _json_options(options: dict) -> dict:
+    """The selection options as they survive JSON (tuples become lists); TypeError naming an option that does not."""
+    out = {}
+    for key, value in options.items():
+        if isinstance(value, (tuple, list)) and all(isinstance(x, str) for x in value):
+            value = list(value)
+        elif isinstance(value, Path):
+            value = str(value)
+        elif not (value is None or isinstance(value, (str, int, float, bool))):
+            raise TypeError(f"attnsel: option {key}={value!r} cannot reach processes transformers spawns (environment "
+                            "JSON): use a string, a number, a bool or a list of strings")
+        out[key] = value
+    return out
 
 
 def register_kernel(prefill: str | None = None, decode: str | None = None, **select_options) -> list[str]:
@@ -196,13 +218,13 @@ def register_kernel(prefill: str | None = None, decode: str | None = None, **sel
     reason = kernel_unsupported()
     if reason:
         raise RuntimeError(f"attnsel: cannot register {KERNEL_NAME}: {reason}")
-    root = default_dir() / "hub-kernel"
-    if ":" in str(root):
+    parent = default_dir().resolve()
+    if ":" in str(parent):
         raise RuntimeError(f"attnsel: LOCAL_KERNELS separates its entries with ':', so the kernel repository cannot "
-                           f"live at {root}; set ATTNSEL_CACHE_DIR to a path without ':'")
-    write_kernel_repo(root)
-    flash_api.configure(prefill, decode, **select_options)
-    os.environ[ENV_OPTIONS] = json.dumps(flash_api._options, default=str)
+                           f"live under {parent}; set ATTNSEL_CACHE_DIR to a path without ':'")
+    root = write_kernel_repo(parent)
+    flash_api.configure(prefill, decode, **_json_options(select_options))
+    os.environ[ENV_OPTIONS] = json.dumps(flash_api._options)
     entries = [e for e in os.environ.get("LOCAL_KERNELS", "").split(":") if e and e.split("=")[0] != KERNEL_NAME]
     os.environ["LOCAL_KERNELS"] = ":".join(entries + [f"{KERNEL_NAME}={root}"])
     return [KERNEL_NAME]
@@ -210,7 +232,10 @@ def register_kernel(prefill: str | None = None, decode: str | None = None, **sel
 
 def _configure_from_env() -> None:
     """In a process that did not call ``register_kernel`` (one transformers spawned), the options of the one that
-    did; a no-op where they are already in force."""
-    options = json.loads(os.environ.get(ENV_OPTIONS) or "{}")
-    if options != flash_api._options:
+    did; a no-op where they are already in force or the environment carries none."""
+    text = os.environ.get(ENV_OPTIONS)
+    if text is None:
+        return
+    options = json.loads(text)
+    if options != _json_options(flash_api._options):
         flash_api.configure(**options)
