@@ -1,11 +1,13 @@
 """`attnsel serve`: transformers' OpenAI-compatible server on attnsel, started as a real process on 127.0.0.1 with a
 tiny random model (and a tokenizer built here, no Hub), talked to with a real HTTP client."""
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,16 +48,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("served")
-    save_tiny_model(path)
+@contextlib.contextmanager
+def serving(path, *extra):
+    """`attnsel serve` on the model at ``path`` (torch backends, fp32) until the block ends; yields (base URL, log)."""
     port = free_port()
-    log = open(path / "server.log", "w+")
+    log = open(path / f"server-{port}.log", "w+")
     env = {**os.environ, "ATTNSEL_CACHE_DIR": str(path / "cache")}
     proc = subprocess.Popen([sys.executable, "-m", "attnsel", "serve", str(path), "--port", str(port),
                              "--prefill-backend", "torch", "--decode-backend", "torch", "--policy", "priority",
-                             "--dtype", "fp32"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             "--dtype", "fp32", *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     try:
@@ -72,7 +73,7 @@ def server(tmp_path_factory):
                 log.seek(0)
                 pytest.fail(f"server did not answer within 240 s:\n{log.read()[-4000:]}")
             time.sleep(0.5)
-        yield base, str(path), log
+        yield base, log
     finally:
         proc.terminate()
         try:
@@ -81,6 +82,14 @@ def server(tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("served")
+    save_tiny_model(path)
+    with serving(path) as (base, log):
+        yield base, str(path), log
 
 
 def chat(base, model, **extra):
@@ -141,3 +150,21 @@ def test_openai_client(server):
     out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "yes no"}],
                                          max_tokens=4, temperature=0)
     assert out.choices[0].message.content
+
+
+def test_continuous_batching_server_gives_the_same_tokens(server):
+    """`--continuous-batching`: transformers' batching scheduler with attnsel's name for this version (5.17:
+    paged|attnsel; 5.25: the Hub-kernel name), the same greedy tokens as the server without it."""
+    from attnsel.integrations import hf_kernels
+
+    base, model, _ = server
+    expected = chat(base, model).json()["choices"][0]["message"]["content"]
+    with serving(Path(model), "--continuous-batching") as (cb_base, log):
+        reply = chat(cb_base, model)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == expected
+        log.seek(0)
+        text = log.read()
+    name = (hf_kernels.KERNEL_NAME if hf_kernels.kernel_unsupported() is None
+            else "paged|attnsel" if transformers.__version__.startswith("5.17") else hf_kernels.NAME)
+    assert f"attn_implementation={name} on http" in text
