@@ -17,17 +17,7 @@ from attnsel.integrations import hf, hf_kernels  # noqa: E402
 pytestmark = pytest.mark.skipif(hf_kernels.kernel_unsupported() is not None,
                                 reason=f"{hf_kernels.kernel_unsupported()} (.ci/run tests the newest transformers)")
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [12, 13], [20, 21, 22, 23, 24], [7] * 19]
-
-
-@pytest.fixture
-def tiny_llama(tmp_path):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "llama")
-    return str(tmp_path / "llama")
+from tests.test_hf_current import PROMPTS, tiny_llama  # noqa: E402,F401  (the same model and prompts)
 
 
 @pytest.fixture(autouse=True)
