@@ -516,8 +516,8 @@ class Selection:
         batch = seq_lens.shape[0]
         if context_tokens is not None:
             if not _host_int(context_tokens) or context_tokens < 0:
-                raise ValueError("context_tokens: expected None or a non-negative Python int (the batch's context tokens, "
-                                 f"summed), got {context_tokens!r}")
+                raise ValueError("context_tokens: expected None or a non-negative Python int (the batch's context "
+                                 f"tokens, summed), got {context_tokens!r}")
             ctx = -(-context_tokens // max(batch, 1))
         elif max_seq_len is not None:
             ctx = max_seq_len

@@ -77,8 +77,8 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block
     max(min_chunk, total_len x kv_heads / target) so that the programs that read come to about
     SPLIT_PROGRAMS_PER_SM per SM; a row of n tokens uses round(n / chunk) splits (at least 1, at most num_splits:
     what the longest row needs now or what rows of equal length need at any length, whichever is more, at most
-    64). ``sms``: the GPU's multiprocessor count, None under the interpreter. H200 sweep 2026-12-03 (bench/results/2026-12-03-round4, scripts/gpu_triton_decode.py): 384-528
-    programs ran within 2% of the best split count while 576 and 768 ran 1.12-1.32x slower (a partly filled last
+    64). ``sms``: the GPU's multiprocessor count, None under the interpreter. H200 sweep 2026-12-03
+    (bench/results/2026-12-03-round4, scripts/gpu_triton_decode.py): 384-528 programs ran within 2% of the best split count while 576 and 768 ran 1.12-1.32x slower (a partly filled last
     round of programs), and with one split count for every row (the longest's) a ragged batch of one long and
     seven short rows ran 2.2x slower than with splits per row.
     """
