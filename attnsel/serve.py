@@ -117,7 +117,7 @@ def start_selection(model_dir: Path, impl: str, dtype: torch.dtype | None, devic
     from transformers import AutoConfig
 
     from . import flash_api
-    from .integrations import hf
+    from .integrations import hf, hf_kernels
 
     config = AutoConfig.from_pretrained(model_dir)
     if dtype is None:
@@ -126,7 +126,7 @@ def start_selection(model_dir: Path, impl: str, dtype: torch.dtype | None, devic
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    if impl in ("attnsel_flash", "attnsel/flash-attn"):
+    if impl in (hf_kernels.NAME, hf_kernels.KERNEL_NAME):
         return flash_api.selection_for(hf.model_spec(config, dtype, flash_api.DEFAULT_PAGE_SIZE), dev)
     page_size = hf.DENSE_PAGE_SIZE if impl == hf.NAME else 256  # 5.17's continuous batching: blocks of 256
     return hf.selection_for(hf.model_spec(config, dtype, page_size), dev)

@@ -101,19 +101,17 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     _registrations[0] += 1
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, key_mask)
+    from . import hf_kernels
+
     names = [NAME]
     reason = paged_unsupported()
     if reason is None:
         AttentionInterface.register(PAGED_NAME, paged_attention_forward)
         names.append(PAGED_NAME)
     else:  # transformers >= 5.19: continuous batching through the flash-named route (hf_kernels)
-        from . import hf_kernels
-
         log.info("attnsel: %s not registered: %s; use %s for continuous batching", PAGED_NAME, reason,
                     hf_kernels.NAME)
         names += hf_kernels.register(prefill, decode, **select_options)
-    from . import hf_kernels
-
     reason = hf_kernels.kernel_unsupported()
     if reason is None:  # transformers >= 5.25: the Hub-kernel name, which its server accepts
         try:
