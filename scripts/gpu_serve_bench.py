@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--parts", default="batch,serve", help="which benchmarks: batch (generate_batch), serve")
     parser.add_argument("--impls", default="attnsel,sdpa")
+    parser.add_argument("--serve-cb", default="false,true",
+                        help="server runs without/with --continuous-batching: false, true or false,true")
     args = parser.parse_args()
     import torch
     import transformers
@@ -177,7 +179,8 @@ def main() -> None:
                    **in_child("batch_child", tmp, impl, args.requests, args.new_tokens)}
             print(json.dumps(row), flush=True)
             rows.append(row)
-        for cb in (False, True) if "serve" in args.parts else ():
+        cbs = [{"false": False, "true": True}[c] for c in args.serve_cb.split(",")]
+        for cb in cbs if "serve" in args.parts else ():
             for impl in impls:
                 try:
                     row = served(tmp, impl, args.serve_requests, args.concurrency, args.new_tokens, cb)
