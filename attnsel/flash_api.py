@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from .selection import Selection, select
+from .selection import Selection, plan_is_current, select
 from .spec import AttentionSpec, SpecError, dtype_name
 
 log = logging.getLogger(__name__)
@@ -143,11 +143,13 @@ def _capturing(t: torch.Tensor) -> bool:
 def _cached_plan(slot, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool, make):
     """The plan stored for ``slot`` if it was made (outside capture) from these very metadata tensors a, b at their
     current versions and these host values; else make one and store it (holding the tensors keeps their ids
-    unique)."""
+    unique) and still current (a plan made since by anyone on the same backend state, e.g. FlashInfer's one plan per
+    wrapper, makes it stale: re-planned)."""
     versions = (a._version, b._version)
     entry = _plans.get(slot)
     if (not capturing and entry is not None and entry[0] is a and entry[1] is b and entry[2] == versions
-            and entry[3] == host and entry[4] is False):
+            and entry[3] == host and entry[4] is False
+            and plan_is_current(entry[5][1] if isinstance(entry[5], tuple) else entry[5])):
         return entry[5]
     plan = make()
     _plans[slot] = (a, b, versions, host, capturing, plan)

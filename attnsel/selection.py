@@ -380,6 +380,7 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
             _check_features(spec, kwargs, "prefill")
         return run(q, k, v, **kwargs)
 
+    _keep_current(checked, run)
     return checked
 
 
@@ -421,7 +422,22 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
             _check_features(spec, kwargs, "decode")
         return run(q, k_cache, v_cache, **kwargs)
 
+    _keep_current(checked, run)
     return checked
+
+
+def _keep_current(checked: RunFn, run: RunFn) -> None:
+    """Carry the backend's optional ``run.current()`` (False once a later plan replaced this one) to the wrapper."""
+    current = getattr(run, "current", None)
+    if current is not None:
+        checked.current = current
+
+
+def plan_is_current(run: RunFn) -> bool:
+    """Whether a run function may still be called: False once its backend replaced the plan (FlashInfer keeps one
+    plan per wrapper). A caller that caches run functions re-plans when this is False."""
+    current = getattr(run, "current", None)
+    return current is None or bool(current())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Host time per call of attnsel.flash_attn_varlen_func / flash_attn_with_kvcache vs the selected backend's run.
 
-Usage (H200): python scripts/gpu_flash_api.py OUT.json [--mode eager|graph]
+Usage (H200): python scripts/gpu_flash_api.py OUT.json [--mode eager|graph] [--heads 32,8]
 Per case: the same inputs through (a) the plan's run function called directly and (b) the FA3-compatible call
 (spec inference, selection lookup, plan cache hit, argument checks, then the same run). Host time = wall time of a
 burst of launches without synchronisation (bursts short enough not to fill the launch queue), median of repeats;
@@ -90,14 +90,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON output path")
     parser.add_argument("--mode", default="eager", choices=("eager", "graph"), help="selection mode")
+    parser.add_argument("--heads", default="32,8", help="query and KV heads (head_dim 128, bf16, page 16)")
     args = parser.parse_args()
+    hq, hk = map(int, args.heads.split(","))
     flash_api.configure(mode=args.mode)
-    rows = [decode_case(1, 256), decode_case(8, 2048), decode_case(64, 4096), decode_case(8, 2048, append=True),
-            prefill_case([1024]), prefill_case([128] * 8)]
+    rows = [decode_case(1, 256, hq, hk), decode_case(8, 2048, hq, hk), decode_case(64, 4096, hq, hk),
+            decode_case(8, 2048, hq, hk, append=True), prefill_case([1024], hq, hk), prefill_case([128] * 8, hq, hk)]
     for row in rows:
         print(json.dumps(row))
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "mode": args.mode, "burst": BURST, "repeats": REPEATS,
+              "torch": torch.__version__, "mode": args.mode, "heads": [hq, hk], "burst": BURST, "repeats": REPEATS,
               "command": " ".join(sys.argv), "rows": rows,
               "max_overhead_us": max(r["overhead_us"] for r in rows if not r.get("append"))}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -307,3 +307,68 @@ def test_cuda_graph_capture_kvcache_after_first_call():
                     torch.cat([vv[:n] for vv, n in zip(vs, new_lens)]).bfloat16().float(), [1, 1, 1], new_lens,
                     d ** -0.5)
     assert (out[:, 0].float().cpu() - ref).abs().max().item() < 2e-2
+
+
+class OnePlanTorch:
+    """Like FlashInfer: one plan per phase; a later plan makes earlier run functions raise, and run.current() says
+    so. Torch underneath (loaded as a plugin: ATTNSEL_BACKENDS="tests.test_flash_api:ONE_PLAN")."""
+
+    name, version = "one_plan", "test"
+
+    def __init__(self):
+        self.generation = {"prefill": 0, "decode": 0}
+
+    def unsupported(self, spec, phase):
+        return None
+
+    def _current_only(self, phase, run):
+        self.generation[phase] += 1
+        mine = self.generation[phase]
+
+        def checked(*args, **kwargs):
+            if self.generation[phase] != mine:
+                raise RuntimeError("one_plan: this run function belongs to an earlier plan")
+            return run(*args, **kwargs)
+
+        checked.current = lambda: self.generation[phase] == mine
+        return checked
+
+    def plan_prefill(self, spec, cu_q, cu_k, max_q, max_k):
+        from attnsel.backends.torch_sdpa import BACKEND as TORCH
+        return self._current_only("prefill", TORCH.plan_prefill(spec, cu_q, cu_k, max_q, max_k))
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        from attnsel.backends.torch_sdpa import BACKEND as TORCH
+        return self._current_only("decode", TORCH.plan_decode(spec, page_table, seq_lens))
+
+
+ONE_PLAN = OnePlanTorch()
+
+
+def test_a_plan_replaced_by_another_layer_kind_is_made_again(monkeypatch):
+    """Sliding and global layers alternate over the same metadata tensors on a backend that keeps one plan per phase
+    (FlashInfer): each layer kind has its own cached plan, and the global layers' plan went stale when the sliding
+    layers planned. It must be planned again, not called (a RuntimeError, as on the first H200 run of
+    scripts/gpu_flash_api.py on 2026-12-03, where a direct plan came between two calls)."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_flash_api:ONE_PLAN")
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "one_plan")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "one_plan")
+    flash_api.configure(policy="priority")
+    hq, hk, d, ps, window = 4, 2, 16, 4, 5
+    lens = [3, 9, 13]
+    kc, vc, table, ks, vs = paged(lens, hk, d, ps, torch.float32, seed=5, garbage=1e4)
+    q = torch.randn(len(lens), 1, hq, d, generator=torch.Generator().manual_seed(5)).to(DEV)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    refs = {w: reference(q[:, 0].cpu(), torch.cat(ks), torch.cat(vs), [1] * len(lens), lens, d ** -0.5, window=w)
+            for w in (None, window)}
+    for w in (None, window, None, window, window, None):  # one step's layers: global, sliding, global, ...
+        out = attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, causal=True,
+                                              window_size=(w - 1, 0) if w else (-1, -1))
+        assert (out[:, 0].cpu() - refs[w]).abs().max().item() < 1e-5
+    lq = [3, 5]
+    qp, k, v, cu_q, cu_k = ragged(lq, lq, hq, hk, d, torch.float32, seed=7)
+    refs = {w: reference(qp.cpu(), k.cpu(), v.cpu(), lq, lq, d ** -0.5, window=w) for w in (None, 2)}
+    for w in (None, 2, None):
+        out = attnsel.flash_attn_varlen_func(qp, k, v, cu_q, cu_k, 5, 5, causal=True,
+                                             window_size=(w - 1, 0) if w else (-1, -1))
+        assert (out.cpu() - refs[w]).abs().max().item() < 1e-5

@@ -260,3 +260,25 @@ def test_static_generate_on_gpu_with_default_auto_compile(saved):
         assert torch.equal(ours.generate(input_ids=ids, attention_mask=mask, **gen),
                            ref.generate(input_ids=ids, attention_mask=mask, **gen))
     assert hf.fallbacks() == {}
+
+
+def test_step_plans_make_a_replaced_plan_again():
+    """Within a step, each layer kind keeps its plan; on a backend with one plan per phase (FlashInfer) the sliding
+    layers' plan replaces the global layers' one, so the next global layer must plan again instead of calling a
+    stale run function (which raises). Plans that are still current are reused."""
+    cuda = torch.device("cuda")  # the plans are per step on CUDA only; nothing here touches the device
+    steps, live, made = hf._StepPlans(), [0], []
+
+    def make(kind):
+        def plan():
+            live[0] += 1
+            mine = live[0]
+            run = lambda: kind  # noqa: E731
+            run.current = lambda: live[0] == mine
+            made.append(kind)
+            return run
+        return plan
+
+    for layer, kind in enumerate(["global", "sliding", "global", "global", "sliding"]):
+        assert steps.get(layer, kind, make(kind), cuda)() == kind
+    assert made == ["global", "sliding", "global", "sliding"]  # layer 3 reused layer 2's plan

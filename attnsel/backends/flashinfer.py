@@ -63,9 +63,15 @@ def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
-@functools.cache
-def _wrapper(device: torch.device, kind: str, nbytes: int, template: str):
-    """One wrapper per device, kind ("prefill", "decode_tc", "decode_cc") and template ("auto", "fa2", "fa3")."""
+WRAPPERS_KEPT = 16  # wrappers (each with its own plan and 8 MB of int workspace) kept for reuse, most recent first
+
+
+@functools.lru_cache(maxsize=WRAPPERS_KEPT)
+def _wrapper(device: torch.device, kind: str, nbytes: int, template: str, spec: AttentionSpec):
+    """One wrapper per device, kind ("prefill", "decode_tc", "decode_cc"), template ("auto", "fa2", "fa3") and spec.
+    A wrapper holds one plan: with one wrapper per spec, the layer kinds of a model (sliding and global layers) keep
+    their plans side by side within a step instead of re-planning at every layer. A wrapper dropped from this cache
+    stays alive, with its plan, as long as a run function holds it."""
     import flashinfer
 
     ws = _workspace(device, nbytes)
@@ -75,11 +81,11 @@ def _wrapper(device: torch.device, kind: str, nbytes: int, template: str):
                                                          backend=template)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=WRAPPERS_KEPT)
 def _sink_wrapper(device: torch.device, phase: str, nbytes: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
-                  head_dim: int, window_left: int):
+                  head_dim: int, window_left: int, spec: AttentionSpec):
     """FlashInfer's attention-sink variant (one JIT module per dtype, head_dim and windowed-or-not); one wrapper per
-    phase, as for the others."""
+    phase and spec, as for the others."""
     import flashinfer
 
     return flashinfer.BatchAttentionWithAttentionSinkWrapper(
@@ -175,7 +181,7 @@ class FlashInferBackend:
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
         if spec.sinks:
             return self._plan_prefill_sinks(spec, cu_seqlens_q, cu_seqlens_k)
-        wrapper = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template)
+        wrapper = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template, spec)
         wrapper.plan(cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), spec.num_q_heads,
                      spec.num_kv_heads, spec.head_dim, causal=spec.causal, sm_scale=spec.scale,
                      window_left=_window_left(spec), logits_soft_cap=spec.softcap,
@@ -192,7 +198,7 @@ class FlashInferBackend:
         """Ragged k/v [total_k, kvh, d] as a paged cache of page size 1: page i is key row i."""
         device = cu_seqlens_q.device
         wrapper = _sink_wrapper(device, "prefill", workspace_bytes(), spec.torch_dtype, spec.torch_dtype,
-                                spec.head_dim, _window_left(spec))
+                                spec.head_dim, _window_left(spec), spec)
         cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
         total_k = int(cu_k[-1])
         indices = torch.arange(total_k, dtype=torch.int32, device=device)
@@ -210,7 +216,7 @@ class FlashInferBackend:
     def _plan_decode_sinks(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         device = seq_lens.device
         wrapper = _sink_wrapper(device, "decode", workspace_bytes(), spec.torch_dtype, spec.kv_torch_dtype,
-                                spec.head_dim, _window_left(spec))
+                                spec.head_dim, _window_left(spec), spec)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
         qo_indptr = torch.arange(seq_lens.numel() + 1, dtype=torch.int32, device=device)
         wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
@@ -229,7 +235,7 @@ class FlashInferBackend:
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         if spec.sinks:
             return self._plan_decode_sinks(spec, page_table, seq_lens)
-        wrapper = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template)
+        wrapper = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template, spec)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
         wrapper.plan(indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
                      window_left=_window_left(spec), logits_soft_cap=spec.softcap, sm_scale=spec.scale,
@@ -256,7 +262,8 @@ class FlashInferBackend:
         return self._checked(wrapper, call)
 
     def _checked(self, wrapper, call) -> RunFn:
-        """The run function of the wrapper's current plan; it raises once a later plan replaced that one."""
+        """The run function of the wrapper's current plan; it raises once a later plan replaced that one.
+        ``run.current()`` says whether it still holds (callers that cache plans re-plan when it does not)."""
         generation = wrapper.attnsel_plans = getattr(wrapper, "attnsel_plans", 0) + 1
         name = self.name
 
@@ -266,6 +273,7 @@ class FlashInferBackend:
                                    "plan per device and phase, so plan again for this batch")
             return call(*tensors, **kwargs)
 
+        run.current = lambda: wrapper.attnsel_plans == generation
         return run
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import AttentionSpec, Selection, SelectionError, SpecError, select
+from ..selection import plan_is_current
 
 log = logging.getLogger(__name__)
 
@@ -386,9 +387,10 @@ class _StepPlans:
         if device.type != "cuda" or layer_idx is None or self.layer is None or layer_idx <= self.layer:
             self.plans = {}
         self.layer = layer_idx
-        if key not in self.plans:
-            self.plans[key] = make()
-        return self.plans[key]
+        plan = self.plans.get(key)
+        if plan is None or not plan_is_current(getattr(plan, "run", None) or plan):
+            plan = self.plans[key] = make()  # a plan replaced since (FlashInfer: one plan per wrapper) is made again
+        return plan
 
 
 _dense_steps = _StepPlans()
