@@ -709,3 +709,36 @@ def test_run_refuses_a_strided_last_dimension():
                                          r"\(512, 128, 2\); pass q.contiguous\(\)$"):
         run(wide[..., ::2], k, v)
     assert run(wide[..., ::2].contiguous(), k, v).shape == (12, 4, 64)
+
+
+def test_shapes_between_timed_ones_take_the_least_interpolated_slowdown():
+    """Graph-mode decode, 32/8 heads on the H200 (2026-12-03, geometric means over contexts): FA3 won batch 16 by
+    0.9% and lost batch 8 by 6.5%; Triton was within 1% at both. At batch 12 the bench then measured FA3 1.24-1.31x
+    slower than Triton: the nearest bucket (16) was the wrong guide, the interpolated slowdown is not."""
+    cells = {}
+    for batch, times in ((8, {"fa3": 32.8, "triton": 30.8}), (16, {"fa3": 48.6, "triton": 49.04})):
+        for ctx in (256, 16384):
+            cells[(batch, ctx)] = dict(times)
+    table = build_table(measured("decode", "graph", cells), ["fa3", "triton"])
+    assert [b.backend for b in table.buckets] == ["triton", "fa3"]
+    assert table.bucket_for((12,)).backend == "fa3"  # the nearest bucket in log space
+    assert table.backend_for((12,)) == "triton"  # 0.6 x 0.9% vs 0.4 x 6.3% (log scale)
+    assert table.backend_for((16,)) == "fa3" and table.backend_for((8,)) == "triton"  # timed shapes: their choice
+    assert table.backend_for((64,)) == "fa3" and table.backend_for((1,)) == "triton"  # clamped beyond the ends
+    # within the tie band the nearest corner's choice stays: at batch 5, b is 0.06% better interpolated, and a
+    # is chosen at batch 4
+    ties = build_table(measured("decode", "graph", {(4, 256): {"a": 100.0, "b": 100.5},
+                                                    (16, 256): {"a": 103.0, "b": 100.0}}), ["a", "b"])
+    assert ties.backend_for((5,)) == "a" and ties.backend_for((12,)) == "b"
+
+
+def test_interpolation_needs_every_corner_else_the_nearest_bucket():
+    cells = dict(DECODE)
+    full = build_table(measured("decode", "eager", cells), ["a", "b"])
+    # (8, 512) lies in the middle of the box 4..16 x 256..1024: a's slowdowns there are 0.41, 0.01, 0, 0.13
+    # (log scale), b's 0, 0, 0.41, 0 -> means 0.14 and 0.10: b
+    assert full.backend_for((8, 512)) == "b"
+    del cells[(16, 1024)]
+    sparse = build_table(measured("decode", "eager", cells), ["a", "b"])
+    assert sparse.backend_for((8, 512)) == sparse.bucket_for((8, 512)).backend
+    assert sparse.backend_for((2, 512)) != "" and sparse.backend_for((0, 0)) == sparse.buckets[0].backend
