@@ -4,8 +4,9 @@ not a measurement: the bucket timings and the cell timings are those of the benc
 
 Usage: python scripts/redispatch.py BENCH.json [TIE ...]   (default ties: 0 0.01 0.02 0.03)
 For every selection in BENCH.json (spec, mode) and tie band: the tables' buckets get pick(times, priority, tie);
-each bench cell of that spec and mode is looked up as `attnsel bench` does; prints within-3% counts, geomean and
-worst time over the cell's fastest, per phase.
+each bench cell of that spec and mode is looked up as `attnsel bench` does, with this checkout's lookup rule
+(DispatchTable.backend_for: since 2026-12-03's fourth session it interpolates between timed shapes); prints
+within-3% counts, geomean and worst time over the cell's fastest, per phase.
 """
 import json
 import math
