@@ -100,6 +100,9 @@ class Bucket:
                    data.get("runner_up_us"), dict(data.get("times_us", {})), dict(data.get("spread", {})))
 
 
+_MISSING = object()
+
+
 def _log2(x: float) -> float:
     return math.log2(max(x, 1))
 
@@ -142,11 +145,17 @@ class DispatchTable:
         object.__setattr__(self, "_cells", {})
         object.__setattr__(self, "_by_key", {b.key: b for b in self.buckets})
         slowdowns = {}
-        for b in self.buckets:
-            best = min(b.times_us.values())
-            slowdowns[b.key] = {n: math.log(t / best) for n, t in b.times_us.items()}
+        for b in self.buckets:  # a bucket without usable times (hand-made tables) just never takes part
+            times = {n: t for n, t in b.times_us.items() if isinstance(t, (int, float)) and t > 0}
+            if times:
+                best = min(times.values())
+                slowdowns[b.key] = {n: math.log(t / best) for n, t in times.items()}
         object.__setattr__(self, "_slowdowns", slowdowns)
         object.__setattr__(self, "_picks", {})
+        # candidates in the order the tables were built with (bucket winners first): the last tie-break
+        order = list(dict.fromkeys([b.backend for b in self.buckets] + sorted({n for b in self.buckets
+                                                                              for n in b.times_us})))
+        object.__setattr__(self, "_order", order)
 
     def cell(self, key: tuple[int, ...]) -> tuple[int, ...]:
         """The per-axis bucket index of a shape (log-spaced boundaries, clamped at both ends)."""
@@ -177,20 +186,25 @@ class DispatchTable:
                 w = round(32 * (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))) / 32
                 sides.append(((lo, 1.0 - w), (hi, w)))
         sides = tuple(sides)
-        hit = self._picks.get(sides)
-        if hit is None:
-            hit = self._picks[sides] = self._interpolated(sides) or self.bucket_for(key).backend
-        return hit
+        hit = self._picks.get(sides, _MISSING)
+        if hit is _MISSING:
+            hit = self._picks[sides] = self._interpolated(sides)
+        # the fallback is looked up from the exact key (not memoised: two keys that round to one position may lie
+        # on either side of a bucket boundary)
+        return hit or self.bucket_for(key).backend
 
     def _interpolated(self, sides: tuple) -> str | None:
         """The least interpolated slowdown over the box of timed values ``sides`` (per axis, (value, weight) pairs);
         None where a corner of the box was not timed."""
         corners = []
         for combo in itertools.product(*sides):
+            weight = math.prod(w for _, w in combo)
+            if weight <= 0:  # rounded onto the other corner: it does not take part
+                continue
             corner = tuple(v for v, _ in combo)
-            if corner not in self._by_key:
+            if corner not in self._slowdowns:
                 return None
-            corners.append((corner, math.prod(w for _, w in combo)))
+            corners.append((corner, weight))
         if len(corners) == 1:  # on a timed shape (or beyond the ends): that bucket's choice
             return self._by_key[corners[0][0]].backend
         names = set.intersection(*(set(self._slowdowns[c]) for c, _ in corners))
@@ -202,7 +216,7 @@ class DispatchTable:
         for corner, _ in sorted(corners, key=lambda cw: -cw[1]):  # the nearest corner's choice, if tied
             if self._by_key[corner].backend in tied:
                 return self._by_key[corner].backend
-        return min(tied, key=lambda n: (cost[n], n))
+        return min(tied, key=lambda n: (cost[n], self._order.index(n)))
 
     def wins(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -742,3 +742,32 @@ def test_interpolation_needs_every_corner_else_the_nearest_bucket():
     sparse = build_table(measured("decode", "eager", cells), ["a", "b"])
     assert sparse.backend_for((8, 512)) == sparse.bucket_for((8, 512)).backend
     assert sparse.backend_for((2, 512)) != "" and sparse.backend_for((0, 0)) == sparse.buckets[0].backend
+
+
+def test_lookup_does_not_depend_on_the_order_of_earlier_calls():
+    """Two shapes that round to one interpolation position can lie on either side of a nearest-bucket boundary
+    (here prefill, where corners are sparse and the nearest bucket serves): each keeps its own answer, whichever
+    came first (a review found the memo handing the first one's answer to the second)."""
+    cells = {(2, 2 * n, n): ({"a": 1.0, "b": 2.0} if n <= 576 else {"a": 2.0, "b": 1.0}) for n in (288, 576, 1152)}
+    k1, k2 = (2, 1620, 810), (2, 1640, 820)  # boundaries at 814 (longest) and 1629 (total); one position: 16/32
+    answers = set()
+    for order in ((k1, k2), (k2, k1)):
+        table = build_table(measured("prefill", "eager", cells), ["a", "b"])
+        got = {k: table.backend_for(k) for k in order}
+        assert got == {k1: table.bucket_for(k1).backend, k2: table.bucket_for(k2).backend} == {k1: "a", k2: "b"}
+        answers.add(tuple(sorted(got.items())))
+    assert len(answers) == 1
+
+
+def test_interpolation_ignores_corners_of_zero_weight_and_bad_times():
+    # batch 65 rounds onto batch 64 (512's weight: 32 x log(65/64) / log(8) = 0.24 -> 0/32): a's absence at 512
+    # does not matter there; at batch 100 it does (only b was timed at both)
+    table = build_table(measured("decode", "graph", {(64, 256): {"a": 10.0, "b": 10.5}, (512, 256): {"b": 30.0}}),
+                        ["a", "b"])
+    assert table.backend_for((64,)) == "a" and table.backend_for((65,)) == "a"
+    assert table.backend_for((100,)) == "b"
+    # a hand-made table with a bucket that has no times still loads; its shapes fall back to the nearest bucket
+    data = table.to_json()
+    data["buckets"][1]["times_us"] = {}
+    loaded = DispatchTable.from_json(data)
+    assert loaded.backend_for((100,)) == loaded.bucket_for((100,)).backend and loaded.backend_for((512,)) == "b"
