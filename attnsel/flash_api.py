@@ -17,6 +17,8 @@ CUDA graphs: the first call of a spec selects (outside capture). During capture 
 outside the capture would replay stale device metadata) and plans get host bounds instead of device values
 (``page_table.shape[1] * page_size`` for the longest context, ``q.shape[0]`` for the tokens) when the installed
 ``Selection`` accepts them; the backend's plan itself must not sync (the torch backend's does: it is a CPU fallback).
+Plans made during capture are kept for the life of the process: a graph replays its plan's buffers (FlashInfer's
+wrapper among them), so they must outlive every graph.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ _options: dict = {}
 _selections: dict = {}
 _specs: dict = {}
 _plans: dict = {}
+_captured: list = []  # plans made during CUDA-graph capture: kept for good (configure() does not drop them)
 # Host-size hints of Selection.plan_* (issue 10): passed only where this version of Selection accepts them.
 _PREFILL_HINTS = {"total_q", "total_k"} & set(inspect.signature(Selection.plan_prefill).parameters)
 _DECODE_HINTS = {"max_seq_len"} & set(inspect.signature(Selection.plan_decode).parameters)
@@ -143,7 +146,7 @@ def _capturing(t: torch.Tensor) -> bool:
 def _cached_plan(slot, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool, make):
     """The plan stored for ``slot`` if it was made (outside capture) from these very metadata tensors a, b at their
     current versions and these host values; else make one and store it (holding the tensors keeps their ids
-    unique) and still current (a plan made since by anyone on the same backend state, e.g. FlashInfer's one plan per
+    unique) and still current (a plan made since by anyone on the same backend state, e.g. a plugin with one plan per
     wrapper, makes it stale: re-planned)."""
     versions = (a._version, b._version)
     entry = _plans.get(slot)
@@ -153,6 +156,8 @@ def _cached_plan(slot, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing:
         return entry[5]
     plan = make()
     _plans[slot] = (a, b, versions, host, capturing, plan)
+    if capturing:  # a CUDA graph replays this plan's buffers: keep the plan as long as the process (graphs included)
+        _captured.append(plan)
     return plan
 
 

@@ -502,8 +502,9 @@ def _keep_current(checked: RunFn, run: RunFn) -> None:
 
 
 def plan_is_current(run: RunFn) -> bool:
-    """Whether a run function may still be called: False once its backend replaced the plan (FlashInfer keeps one
-    plan per wrapper). A caller that caches run functions re-plans when this is False."""
+    """Whether a run function may still be called: False once its backend replaced the plan (a backend with one plan
+    per handle; attnsel's FlashInfer backend gives every live run function its own wrapper, so its runs stay
+    current). A caller that caches run functions re-plans when this is False."""
     current = getattr(run, "current", None)
     return current is None or bool(current())
 

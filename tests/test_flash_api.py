@@ -372,3 +372,24 @@ def test_a_plan_replaced_by_another_layer_kind_is_made_again(monkeypatch):
         out = attnsel.flash_attn_varlen_func(qp, k, v, cu_q, cu_k, 5, 5, causal=True,
                                              window_size=(w - 1, 0) if w else (-1, -1))
         assert (out.cpu() - refs[w]).abs().max().item() < 1e-5
+
+
+def test_plans_made_during_capture_outlive_the_plan_cache(monkeypatch):
+    """A CUDA graph replays its plan's buffers and holds no Python reference: a plan made during capture must stay
+    alive after later calls replace it in the plan cache (and after configure()), or FlashInfer hands its wrapper to
+    the next plan and the graph replays that plan's metadata."""
+    import weakref
+
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    monkeypatch.setattr(flash_api, "_captured", [], raising=False)
+    q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 2, 1, 8, torch.float32, seed=9)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)  # selects outside capture
+    monkeypatch.setattr(flash_api, "_capturing", lambda t: True)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)
+    captured = weakref.ref(flash_api._plans[next(iter(flash_api._plans))][-1])
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)  # replans, replacing it in the cache
+    flash_api.configure(policy="priority")
+    import gc
+    gc.collect()
+    assert captured() is not None and len(flash_api._captured) == 2

@@ -69,7 +69,7 @@ class Backend(Protocol):
     - Run-time feature inputs: ``sinks`` float32 ``[num_q_heads]`` when ``spec.sinks``; ``k_scale``/``v_scale``
       float32 one-element tensors when ``spec.kv_dtype`` is set (real value = stored value * scale).
     Plan runs once per batch (host work allowed); run is what every layer calls: no host sync, inputs unchanged.
-    A backend whose later plans invalidate earlier ones (FlashInfer: one plan per wrapper) gives the run function a
+    A backend whose later plans invalidate earlier ones (a library with one plan per handle) gives the run function a
     ``current()`` method, False once replaced; callers that cache run functions (the FA-compatible functions, the
     transformers integration) then plan again instead of calling a stale plan.
     Optional attributes: ``version`` (str or callable; part of the cache key, with a hash of the source file of the

@@ -14,8 +14,10 @@ sink to the first KV tile's softmax state; decode plans it with one query per se
 viewed as a paged cache of page size 1. That variant has no softcap and no fp8 dequantisation: declined with sinks.
 
 Workspace: one zeroed float buffer per device of ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
-recommendation for real batches), used for validation and serving alike. The wrappers, and so the plans, are one per
-device, phase and variant: a run function is valid until the next plan of the same wrapper.
+recommendation for real batches), used for validation and serving alike, shared by the wrappers of the device (their
+runs go on one stream). A wrapper holds one plan, and every live run function owns its wrapper (``_take``): a later
+plan takes another wrapper from a pool per device and variant, so a run function, and a CUDA graph captured from
+it, stays valid as long as it is kept.
 FlashInfer JIT-compiles kernels on first use (minutes on a fresh machine) into ``jit_cache_dir()``.
 """
 from __future__ import annotations
@@ -24,6 +26,8 @@ import functools
 import importlib.util
 import logging
 import os
+import threading
+import weakref
 
 import torch
 
@@ -63,34 +67,67 @@ def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
-WRAPPERS_KEPT = 16  # wrappers (each with its own plan and 8 MB of int workspace) kept for reuse, most recent first
+FREE_KEPT = 4  # wrappers without a live plan kept per kind for reuse (each holds 8 MB of int workspace + 8 MB pinned)
+_pools: dict = {}
+_pool_lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=WRAPPERS_KEPT)
-def _wrapper(device: torch.device, kind: str, nbytes: int, template: str, spec: AttentionSpec):
-    """One wrapper per device, kind ("prefill", "decode_tc", "decode_cc"), template ("auto", "fa2", "fa3") and spec.
-    A wrapper holds one plan: with one wrapper per spec, the layer kinds of a model (sliding and global layers) keep
-    their plans side by side within a step instead of re-planning at every layer. A wrapper dropped from this cache
-    stays alive, with its plan, as long as a run function holds it."""
-    import flashinfer
-
-    ws = _workspace(device, nbytes)
-    if kind == "prefill":
-        return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=template)
-    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"),
-                                                         backend=template)
+class _Hold:
+    """Reserves a wrapper between taking it from the pool and handing out the run function of its plan (released if
+    planning raises: the hold dies with the planning frame)."""
 
 
-@functools.lru_cache(maxsize=WRAPPERS_KEPT)
+def _take(key: tuple, make) -> tuple[object, _Hold]:
+    """A wrapper of ``key`` that no live run function holds (a new one from ``make()`` if none is free).
+
+    A FlashInfer wrapper keeps one plan, and planning rewrites its buffers and workspace in place: a run function,
+    and any CUDA graph captured from it, replays what its wrapper holds at replay time. So every live run function
+    owns its wrapper (``wrapper.attnsel_owner``: a weak reference to it): a later plan takes another wrapper, and a
+    wrapper returns to the pool when its run function is dropped. Returns (wrapper, hold): keep the hold alive until
+    ``_checked`` has made the run function."""
+    hold = _Hold()
+    with _pool_lock:
+        pool = _pools.setdefault(key, [])
+        free = [w for w in pool if w.attnsel_owner() is None]
+        for extra in free[FREE_KEPT:]:
+            pool.remove(extra)
+        if free:
+            wrapper = free[0]
+        else:
+            wrapper = make()
+            pool.append(wrapper)
+        wrapper.attnsel_owner = weakref.ref(hold)
+    return wrapper, hold
+
+
+def _wrapper(device: torch.device, kind: str, nbytes: int, template: str) -> tuple[object, _Hold]:
+    """A free wrapper of this device, kind ("prefill", "decode_tc", "decode_cc") and template ("auto", "fa2",
+    "fa3"), and its hold (see ``_take``). The wrappers of a device share one float workspace: their runs must be
+    issued on one stream (as an engine's layers are)."""
+    def make():
+        import flashinfer
+
+        ws = _workspace(device, nbytes)
+        if kind == "prefill":
+            return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=template)
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"),
+                                                             backend=template)
+
+    return _take((device, kind, nbytes, template), make)
+
+
 def _sink_wrapper(device: torch.device, phase: str, nbytes: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
-                  head_dim: int, window_left: int, spec: AttentionSpec):
-    """FlashInfer's attention-sink variant (one JIT module per dtype, head_dim and windowed-or-not); one wrapper per
-    phase and spec, as for the others."""
-    import flashinfer
+                  head_dim: int, window_left: int) -> tuple[object, _Hold]:
+    """FlashInfer's attention-sink variant (one JIT module per dtype, head_dim and windowed-or-not), taken like the
+    others."""
+    def make():
+        import flashinfer
 
-    return flashinfer.BatchAttentionWithAttentionSinkWrapper(
-        _workspace(device, nbytes), "NHD", backend="auto", q_data_type=q_dtype, kv_data_type=kv_dtype,
-        head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=window_left)
+        return flashinfer.BatchAttentionWithAttentionSinkWrapper(
+            _workspace(device, nbytes), "NHD", backend="auto", q_data_type=q_dtype, kv_data_type=kv_dtype,
+            head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=window_left)
+
+    return _take((device, "sinks-" + phase, nbytes, q_dtype, kv_dtype, head_dim, window_left), make)
 
 
 def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
@@ -181,7 +218,7 @@ class FlashInferBackend:
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
         if spec.sinks:
             return self._plan_prefill_sinks(spec, cu_seqlens_q, cu_seqlens_k)
-        wrapper = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template, spec)
+        wrapper, hold = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template)
         wrapper.plan(cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), spec.num_q_heads,
                      spec.num_kv_heads, spec.head_dim, causal=spec.causal, sm_scale=spec.scale,
                      window_left=_window_left(spec), logits_soft_cap=spec.softcap,
@@ -191,14 +228,14 @@ class FlashInferBackend:
             _no_sinks(sinks)
             return wrapper.run(q, k, v)
 
-        return self._checked(wrapper, call)
+        return self._checked(wrapper, hold, call)
 
     def _plan_prefill_sinks(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
                             ) -> RunFn:
         """Ragged k/v [total_k, kvh, d] as a paged cache of page size 1: page i is key row i."""
         device = cu_seqlens_q.device
-        wrapper = _sink_wrapper(device, "prefill", workspace_bytes(), spec.torch_dtype, spec.torch_dtype,
-                                spec.head_dim, _window_left(spec), spec)
+        wrapper, hold = _sink_wrapper(device, "prefill", workspace_bytes(), spec.torch_dtype, spec.torch_dtype,
+                                      spec.head_dim, _window_left(spec))
         cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
         total_k = int(cu_k[-1])
         indices = torch.arange(total_k, dtype=torch.int32, device=device)
@@ -211,12 +248,12 @@ class FlashInferBackend:
         def call(q, k, v, *, sinks=None):
             return wrapper.run(q, (k.unsqueeze(1), v.unsqueeze(1)), _sinks_arg(spec, sinks), scale)
 
-        return self._checked(wrapper, call)
+        return self._checked(wrapper, hold, call)
 
     def _plan_decode_sinks(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         device = seq_lens.device
-        wrapper = _sink_wrapper(device, "decode", workspace_bytes(), spec.torch_dtype, spec.kv_torch_dtype,
-                                spec.head_dim, _window_left(spec), spec)
+        wrapper, hold = _sink_wrapper(device, "decode", workspace_bytes(), spec.torch_dtype, spec.kv_torch_dtype,
+                                      spec.head_dim, _window_left(spec))
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
         qo_indptr = torch.arange(seq_lens.numel() + 1, dtype=torch.int32, device=device)
         wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
@@ -230,12 +267,12 @@ class FlashInferBackend:
             out = wrapper.run(q, (k_cache, v_cache), _sinks_arg(spec, sinks), scale)
             return out.masked_fill(empty_rows, 0.0) if empty_rows is not None else out
 
-        return self._checked(wrapper, call)
+        return self._checked(wrapper, hold, call)
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         if spec.sinks:
             return self._plan_decode_sinks(spec, page_table, seq_lens)
-        wrapper = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template, spec)
+        wrapper, hold = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
         wrapper.plan(indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
                      window_left=_window_left(spec), logits_soft_cap=spec.softcap, sm_scale=spec.scale,
@@ -259,21 +296,24 @@ class FlashInferBackend:
                 out = out.masked_fill(empty_rows, 0.0)
             return out
 
-        return self._checked(wrapper, call)
+        return self._checked(wrapper, hold, call)
 
-    def _checked(self, wrapper, call) -> RunFn:
-        """The run function of the wrapper's current plan; it raises once a later plan replaced that one.
-        ``run.current()`` says whether it still holds (callers that cache plans re-plan when it does not)."""
+    def _checked(self, wrapper, hold: _Hold, call) -> RunFn:
+        """The run function of the wrapper's current plan, which owns the wrapper from now on (``hold`` reserved it
+        while planning). It raises if a later plan replaced its plan anyway, and ``run.current()`` says whether it
+        still holds (callers that cache plans re-plan when it does not)."""
         generation = wrapper.attnsel_plans = getattr(wrapper, "attnsel_plans", 0) + 1
         name = self.name
 
         def run(*tensors: torch.Tensor, **kwargs) -> torch.Tensor:
             if wrapper.attnsel_plans != generation:
-                raise RuntimeError(f"{name}: this run function belongs to an earlier plan; FlashInfer keeps one "
-                                   "plan per device and phase, so plan again for this batch")
+                raise RuntimeError(f"{name}: this run function's plan was replaced (FlashInfer keeps one plan "
+                                   "per wrapper); plan again for this batch")
             return call(*tensors, **kwargs)
 
         run.current = lambda: wrapper.attnsel_plans == generation
+        wrapper.attnsel_owner = weakref.ref(run)
+        del hold  # the run function holds the wrapper now
         return run
 
 

@@ -389,7 +389,7 @@ class _StepPlans:
         self.layer = layer_idx
         plan = self.plans.get(key)
         if plan is None or not plan_is_current(getattr(plan, "run", None) or plan):
-            plan = self.plans[key] = make()  # a plan replaced since (FlashInfer: one plan per wrapper) is made again
+            plan = self.plans[key] = make()  # a plan a backend replaced since (run.current()) is made again
         return plan
 
 

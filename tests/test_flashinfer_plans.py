@@ -1,0 +1,85 @@
+"""FlashInfer keeps one plan per wrapper and rewrites its buffers when it plans again. attnsel gives every live run
+function its own wrapper, so that a later plan never changes what an earlier run function (or a CUDA graph captured
+from it: a replay reads the wrapper's buffers, it runs no Python) computes. No GPU: a stand-in ``flashinfer`` module
+whose wrappers behave like FlashInfer's in that respect (plan rebinds the page-index buffer that run reads)."""
+import gc
+import sys
+import types
+
+import pytest
+import torch
+
+import attnsel.backends.flashinfer as fi
+from attnsel.spec import AttentionSpec
+
+SPEC = AttentionSpec(4, 2, 16, "fp32", page_size=4)
+
+
+class FakeDecodeWrapper:
+    made = 0
+
+    def __init__(self, workspace, layout, use_tensor_cores=False, backend="auto"):
+        type(self).made += 1
+
+    def plan(self, indptr, indices, last_page_len, *args, **kwargs):
+        if indices.numel() and int(indices.max()) >= 1000:
+            raise RuntimeError("stand-in plan failure")
+        self.indices = indices.clone()  # a new buffer per plan, as FlashInfer's non-graph plan does
+
+    def run(self, q, kv, **kwargs):
+        return torch.full_like(q, float(self.indices.sum()))  # what the wrapper's current plan says
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    FakeDecodeWrapper.made = 0
+    module = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeDecodeWrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(fi, "_pools", {}, raising=False)
+    monkeypatch.setenv(fi.WORKSPACE_ENV, "8")
+    return module
+
+
+def _plan(pages: list[int]):
+    table = torch.tensor([pages], dtype=torch.int32)
+    lens = torch.tensor([len(pages) * SPEC.page_size], dtype=torch.int32)
+    return fi.BACKEND.plan_decode(SPEC, table, lens), float(sum(pages))
+
+
+def _call(run):
+    q = torch.zeros(1, 4, 16)
+    cache = torch.zeros(8, 4, 2, 16)
+    return float(run(q, cache, cache)[0, 0, 0])
+
+
+def test_an_earlier_run_function_keeps_its_plan_after_a_later_plan(fake_flashinfer):
+    """Before: one wrapper per spec, so run A raised once B was planned (and a CUDA graph captured from A replayed
+    B's page indices, with no error at all)."""
+    run_a, want_a = _plan([1, 2])
+    run_b, want_b = _plan([5, 6, 7])
+    assert _call(run_a) == want_a and _call(run_b) == want_b
+    assert run_a.current() and run_b.current()
+    assert FakeDecodeWrapper.made == 2
+
+
+def test_a_dropped_run_function_gives_its_wrapper_back(fake_flashinfer):
+    for step in range(20):  # an engine's steps: each plan replaces the last one, which is dropped
+        run, want = _plan([step, step + 1])
+        assert _call(run) == want
+        del run
+    assert FakeDecodeWrapper.made == 1
+    runs = [_plan([i])[0] for i in range(10)]  # ten live plans (e.g. CUDA graphs of ten batch sizes)
+    assert FakeDecodeWrapper.made == 10
+    del runs
+    gc.collect()
+    _plan([3])
+    pool = next(iter(fi._pools.values()))
+    assert len(pool) <= fi.FREE_KEPT + 1  # free wrappers beyond FREE_KEPT are let go
+
+
+def test_a_failed_plan_releases_its_wrapper(fake_flashinfer):
+    with pytest.raises(RuntimeError, match="stand-in plan failure"):
+        _plan([1000])
+    run, want = _plan([4])
+    assert _call(run) == want
+    assert FakeDecodeWrapper.made == 1
