@@ -17,8 +17,9 @@ CUDA graphs: the first call of a spec selects (outside capture). During capture 
 outside the capture would replay stale device metadata) and plans get host bounds instead of device values
 (``page_table.shape[1] * page_size`` for the longest context, ``q.shape[0]`` for the tokens) when the installed
 ``Selection`` accepts them; the backend's plan itself must not sync (the torch backend's does: it is a CPU fallback).
-Plans made during capture are kept for the life of the process: a graph replays its plan's buffers (FlashInfer's
-wrapper among them), so they must outlive every graph.
+Plans made during capture are kept for the life of the process: a graph replays its plan's buffers (e.g. the Triton
+decode's split buffers), so they must outlive every graph (one plan per captured call: layers x graphs). FlashInfer's
+plan syncs with the host, so a FlashInfer selection cannot be captured here.
 """
 from __future__ import annotations
 

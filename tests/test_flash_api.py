@@ -310,8 +310,8 @@ def test_cuda_graph_capture_kvcache_after_first_call():
 
 
 class OnePlanTorch:
-    """Like FlashInfer: one plan per phase; a later plan makes earlier run functions raise, and run.current() says
-    so. Torch underneath (loaded as a plugin: ATTNSEL_BACKENDS="tests.test_flash_api:ONE_PLAN")."""
+    """One plan per phase, as FlashInfer's wrappers were used before each run function got its own: a later plan
+    makes earlier run functions raise, and run.current() says so. Torch underneath (loaded as a plugin: ATTNSEL_BACKENDS="tests.test_flash_api:ONE_PLAN")."""
 
     name, version = "one_plan", "test"
 
@@ -347,7 +347,7 @@ ONE_PLAN = OnePlanTorch()
 
 def test_a_plan_replaced_by_another_layer_kind_is_made_again(monkeypatch):
     """Sliding and global layers alternate over the same metadata tensors on a backend that keeps one plan per phase
-    (FlashInfer): each layer kind has its own cached plan, and the global layers' plan went stale when the sliding
+    (a plugin; FlashInfer was one before its run functions got their own wrappers): each layer kind has its own cached plan, and the global layers' plan went stale when the sliding
     layers planned. It must be planned again, not called (a RuntimeError, as on the first H200 run of
     scripts/gpu_flash_api.py on 2026-12-03, where a direct plan came between two calls)."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_flash_api:ONE_PLAN")
@@ -376,8 +376,8 @@ def test_a_plan_replaced_by_another_layer_kind_is_made_again(monkeypatch):
 
 def test_plans_made_during_capture_outlive_the_plan_cache(monkeypatch):
     """A CUDA graph replays its plan's buffers and holds no Python reference: a plan made during capture must stay
-    alive after later calls replace it in the plan cache (and after configure()), or FlashInfer hands its wrapper to
-    the next plan and the graph replays that plan's metadata."""
+    alive after later calls replace it in the plan cache (and after configure()), or the buffers it allocated (the
+    Triton decode's split buffers) go back to the allocator while the graph still writes them."""
     import weakref
 
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")

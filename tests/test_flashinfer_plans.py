@@ -83,3 +83,27 @@ def test_a_failed_plan_releases_its_wrapper(fake_flashinfer):
     run, want = _plan([4])
     assert _call(run) == want
     assert FakeDecodeWrapper.made == 1
+
+
+class FakePrefillWrapper:
+    def __init__(self, workspace, layout, backend="auto"):
+        pass
+
+    def plan(self, qo_indptr, kv_indptr, *args, **kwargs):
+        self.qo_indptr = qo_indptr  # FlashInfer's non-graph plan keeps the tensor it is given; run reads it
+
+    def run(self, q, k, v):
+        return torch.full_like(q, float(self.qo_indptr[-1]))
+
+
+def test_a_prefill_plan_does_not_follow_the_callers_metadata_buffer(fake_flashinfer, monkeypatch):
+    """An engine that rewrites one persistent cu_seqlens buffer for the next batch must not change what an earlier
+    plan (or a CUDA graph captured from it) reads: the plan gets private copies."""
+    monkeypatch.setattr(fake_flashinfer, "BatchPrefillWithRaggedKVCacheWrapper", FakePrefillWrapper, raising=False)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    run = fi.BACKEND.plan_prefill(SPEC, cu, cu, 5, 5)
+    q = torch.zeros(8, 4, 16)
+    kv = torch.zeros(8, 2, 16)
+    assert float(run(q, kv, kv)[0, 0, 0]) == 8.0
+    cu[2] = 6  # the next batch, written in place
+    assert float(run(q, kv, kv)[0, 0, 0]) == 8.0

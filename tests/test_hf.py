@@ -263,7 +263,7 @@ def test_static_generate_on_gpu_with_default_auto_compile(saved):
 
 
 def test_step_plans_make_a_replaced_plan_again():
-    """Within a step, each layer kind keeps its plan; on a backend with one plan per phase (FlashInfer) the sliding
+    """Within a step, each layer kind keeps its plan; on a backend with one plan per phase (a plugin) the sliding
     layers' plan replaces the global layers' one, so the next global layer must plan again instead of calling a
     stale run function (which raises). Plans that are still current are reused."""
     cuda = torch.device("cuda")  # the plans are per step on CUDA only; nothing here touches the device

@@ -58,18 +58,19 @@ def test_entry_point_plugin(tmp_path, monkeypatch):
 
 
 def test_flashinfer_stale_run_function_raises():
-    """FlashInfer keeps one plan per wrapper: a run function of a replaced plan must fail loudly, not run another
-    batch's plan (the check is plain Python, so it is tested here with a stand-in wrapper)."""
+    """FlashInfer keeps one plan per wrapper. attnsel never re-plans a wrapper a live run function owns
+    (tests/test_flashinfer_plans.py); should a wrapper be planned again anyway, its earlier run function must fail
+    loudly and say so through current(), not run another batch's plan (plain Python: a stand-in wrapper)."""
     import types
 
     from attnsel.backends.flashinfer import BACKEND
 
     wrapper = types.SimpleNamespace()
-    first = BACKEND._checked(wrapper, lambda x: x + 1)
-    assert first(1) == 2
-    second = BACKEND._checked(wrapper, lambda x: x + 2)
-    assert second(1) == 3
-    with pytest.raises(RuntimeError, match="belongs to an earlier plan"):
+    first = BACKEND._checked(wrapper, None, lambda x: x + 1)
+    assert first(1) == 2 and first.current()
+    second = BACKEND._checked(wrapper, None, lambda x: x + 2)
+    assert second(1) == 3 and second.current() and not first.current()
+    with pytest.raises(RuntimeError, match="plan was replaced"):
         first(1)
 
 

@@ -92,11 +92,12 @@ def _take(key: tuple, make) -> tuple[object, _Hold]:
         for extra in free[FREE_KEPT:]:
             pool.remove(extra)
         if free:
-            wrapper = free[0]
-        else:
-            wrapper = make()
-            pool.append(wrapper)
-        wrapper.attnsel_owner = weakref.ref(hold)
+            free[0].attnsel_owner = weakref.ref(hold)
+            return free[0], hold
+    wrapper = make()  # outside the lock: a first sinks wrapper builds its JIT module (minutes)
+    wrapper.attnsel_owner = weakref.ref(hold)
+    with _pool_lock:
+        pool.append(wrapper)
     return wrapper, hold
 
 
@@ -219,7 +220,9 @@ class FlashInferBackend:
         if spec.sinks:
             return self._plan_prefill_sinks(spec, cu_seqlens_q, cu_seqlens_k)
         wrapper, hold = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template)
-        wrapper.plan(cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), spec.num_q_heads,
+        # private copies: FlashInfer's plan keeps the indptr tensors it is given and its run reads them, so a caller
+        # that rewrites its cu_seqlens in place would change what this plan (or a graph captured from it) reads
+        wrapper.plan(cu_seqlens_q.to(torch.int32, copy=True), cu_seqlens_k.to(torch.int32, copy=True), spec.num_q_heads,
                      spec.num_kv_heads, spec.head_dim, causal=spec.causal, sm_scale=spec.scale,
                      window_left=_window_left(spec), logits_soft_cap=spec.softcap,
                      q_data_type=spec.torch_dtype, kv_data_type=spec.torch_dtype)
@@ -236,7 +239,7 @@ class FlashInferBackend:
         device = cu_seqlens_q.device
         wrapper, hold = _sink_wrapper(device, "prefill", workspace_bytes(), spec.torch_dtype, spec.torch_dtype,
                                       spec.head_dim, _window_left(spec))
-        cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32, copy=True), cu_seqlens_k.to(torch.int32, copy=True)  # see above
         total_k = int(cu_k[-1])
         indices = torch.arange(total_k, dtype=torch.int32, device=device)
         last = torch.ones(cu_k.numel() - 1, dtype=torch.int32, device=device)
