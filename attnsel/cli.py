@@ -236,7 +236,8 @@ def _time_note(sel: Selection) -> str:
     return (f"{sel.mode} us: time per call, geometric mean over the phase's timed buckets (each the median of "
             "interleaved samples, inputs read from HBM); vs best: over the fastest candidate's; check s: validation "
             "wall time. Dispatch tables: us/call of the bucket's backend, spread (max - min) / median of its "
-            "samples, x: the runner-up's time over it.")
+            "samples, x: the runner-up's time over it. Shapes between timed buckets take the backend with the least "
+            "slowdown interpolated from the buckets around them (possibly one that wins no bucket).")
 
 
 def _cut(text: str, room: int) -> str:

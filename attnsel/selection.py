@@ -134,6 +134,7 @@ class DispatchTable:
     grid_version: int
     skipped: tuple[str, ...] = ()
     wall_s: float | None = None
+    tie: float = TIE  # the lookup's tie band (the buckets' choices were made with the selection's)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -212,7 +213,7 @@ class DispatchTable:
             return None
         cost = {n: sum(w * self._slowdowns[c][n] for c, w in corners) for n in names}
         best = min(cost.values())
-        tied = {n for n, c in cost.items() if c <= best + math.log1p(TIE) + 1e-12}
+        tied = {n for n, c in cost.items() if c <= best + math.log1p(self.tie) + 1e-12}
         for corner, _ in sorted(corners, key=lambda cw: -cw[1]):  # the nearest corner's choice, if tied
             if self._by_key[corner].backend in tied:
                 return self._by_key[corner].backend

@@ -8,6 +8,7 @@ each bench cell of that spec and mode is looked up as `attnsel bench` does, with
 (DispatchTable.backend_for: since 2026-12-03's fourth session it interpolates between timed shapes); prints
 within-3% counts, geomean and worst time over the cell's fastest, per phase.
 """
+import dataclasses
 import json
 import math
 import sys
@@ -23,7 +24,7 @@ def retabled(table: dict, order: list[str], tie: float) -> DispatchTable:
     data = json.loads(json.dumps(table))
     for b in data["buckets"]:
         b["backend"] = pick(b["times_us"], [n for n in order if n in b["times_us"]], tie)
-    return DispatchTable.from_json(data)
+    return dataclasses.replace(DispatchTable.from_json(data), tie=tie)  # the lookup's band too
 
 
 def main() -> None:

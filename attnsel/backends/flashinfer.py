@@ -101,10 +101,12 @@ def _take(key: tuple, make) -> tuple[object, _Hold]:
     return wrapper, hold
 
 
-def _wrapper(device: torch.device, kind: str, nbytes: int, template: str) -> tuple[object, _Hold]:
-    """A free wrapper of this device, kind ("prefill", "decode_tc", "decode_cc") and template ("auto", "fa2",
-    "fa3"), and its hold (see ``_take``). The wrappers of a device share one float workspace: their runs must be
-    issued on one stream (as an engine's layers are)."""
+def _wrapper(device: torch.device, kind: str, nbytes: int, template: str, spec: AttentionSpec
+             ) -> tuple[object, _Hold]:
+    """A free wrapper of this device, kind ("prefill", "decode_tc", "decode_cc"), template ("auto", "fa2", "fa3")
+    and the spec's q/KV dtypes (a wrapper resolves its "auto" template once, on its first plan), and its hold (see
+    ``_take``). The wrappers of a device share one float workspace: their runs must be issued on one stream (as an
+    engine's layers are)."""
     def make():
         import flashinfer
 
@@ -114,7 +116,7 @@ def _wrapper(device: torch.device, kind: str, nbytes: int, template: str) -> tup
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"),
                                                              backend=template)
 
-    return _take((device, kind, nbytes, template), make)
+    return _take((device, kind, nbytes, template, spec.torch_dtype, spec.kv_torch_dtype), make)
 
 
 def _sink_wrapper(device: torch.device, phase: str, nbytes: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -219,7 +221,7 @@ class FlashInferBackend:
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
         if spec.sinks:
             return self._plan_prefill_sinks(spec, cu_seqlens_q, cu_seqlens_k)
-        wrapper, hold = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template)
+        wrapper, hold = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template, spec)
         # private copies: FlashInfer's plan keeps the indptr tensors it is given and its run reads them, so a caller
         # that rewrites its cu_seqlens in place would change what this plan (or a graph captured from it) reads
         wrapper.plan(cu_seqlens_q.to(torch.int32, copy=True), cu_seqlens_k.to(torch.int32, copy=True), spec.num_q_heads,
@@ -275,7 +277,8 @@ class FlashInferBackend:
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         if spec.sinks:
             return self._plan_decode_sinks(spec, page_table, seq_lens)
-        wrapper, hold = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template)
+        wrapper, hold = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template,
+                                 spec)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
         wrapper.plan(indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
                      window_left=_window_left(spec), logits_soft_cap=spec.softcap, sm_scale=spec.scale,
