@@ -107,3 +107,17 @@ def test_a_prefill_plan_does_not_follow_the_callers_metadata_buffer(fake_flashin
     assert float(run(q, kv, kv)[0, 0, 0]) == 8.0
     cu[2] = 6  # the next batch, written in place
     assert float(run(q, kv, kv)[0, 0, 0]) == 8.0
+
+
+def test_a_failed_plan_whose_exception_is_kept_releases_its_wrapper(fake_flashinfer):
+    """A kept exception keeps its traceback's frames alive (loggers, pytest, sys.last_traceback): the wrapper a
+    failed plan took must go back to the pool anyway."""
+    kept = []
+    for _ in range(3):
+        try:
+            _plan([1000])
+        except RuntimeError as exc:
+            kept.append(exc)
+    run, want = _plan([4])
+    assert _call(run) == want
+    assert FakeDecodeWrapper.made == 1 and len(kept) == 3

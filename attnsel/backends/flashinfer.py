@@ -73,8 +73,26 @@ _pool_lock = threading.Lock()
 
 
 class _Hold:
-    """Reserves a wrapper between taking it from the pool and handing out the run function of its plan (released if
-    planning raises: the hold dies with the planning frame)."""
+    """Reserves a wrapper between taking it from the pool and handing out the run function of its plan."""
+
+
+_DEAD = weakref.ref(_Hold())  # the owner of a free wrapper
+_planning = threading.local()  # wrappers taken by the plan running in this thread
+
+
+def _released_on_error(plan, *args) -> RunFn:
+    """plan(*args); if it raises, the wrappers it took go back to the pool (a kept traceback would otherwise keep the
+    planning frame, and with it the wrapper's hold, alive)."""
+    taken = _planning.__dict__.setdefault("taken", [])
+    mark = len(taken)
+    try:
+        return plan(*args)
+    except BaseException:
+        for wrapper in taken[mark:]:
+            wrapper.attnsel_owner = _DEAD
+        raise
+    finally:
+        del taken[mark:]
 
 
 def _take(key: tuple, make) -> tuple[object, _Hold]:
@@ -93,9 +111,11 @@ def _take(key: tuple, make) -> tuple[object, _Hold]:
             pool.remove(extra)
         if free:
             free[0].attnsel_owner = weakref.ref(hold)
+            _planning.__dict__.setdefault("taken", []).append(free[0])
             return free[0], hold
     wrapper = make()  # outside the lock: a first sinks wrapper builds its JIT module (minutes)
     wrapper.attnsel_owner = weakref.ref(hold)
+    _planning.__dict__.setdefault("taken", []).append(wrapper)
     with _pool_lock:
         pool.append(wrapper)
     return wrapper, hold
@@ -219,6 +239,9 @@ class FlashInferBackend:
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
+        return _released_on_error(self._plan_prefill, spec, cu_seqlens_q, cu_seqlens_k)
+
+    def _plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> RunFn:
         if spec.sinks:
             return self._plan_prefill_sinks(spec, cu_seqlens_q, cu_seqlens_k)
         wrapper, hold = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template, spec)
@@ -275,6 +298,9 @@ class FlashInferBackend:
         return self._checked(wrapper, hold, call)
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
+        return _released_on_error(self._plan_decode, spec, page_table, seq_lens)
+
+    def _plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         if spec.sinks:
             return self._plan_decode_sinks(spec, page_table, seq_lens)
         wrapper, hold = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template,
