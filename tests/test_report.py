@@ -6,7 +6,7 @@ import json
 import pytest
 
 from attnsel.cli import main
-from attnsel.validate import runner, timing
+from attnsel.validate import timing
 
 SMALL = ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "fp16"]
 STACK = "\n".join(["Fatal Python error: Segmentation fault", "Current thread 0x7f (most recent call first):"]
