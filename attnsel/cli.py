@@ -232,12 +232,26 @@ def one_line(reason: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def _time_note(sel: Selection) -> str:
-    return (f"{sel.mode} us: time per call, geometric mean over the phase's timed buckets (each the median of "
-            "interleaved samples, inputs read from HBM); vs best: over the fastest candidate's; check s: validation "
-            "wall time. Dispatch tables: us/call of the bucket's backend, spread (max - min) / median of its "
-            "samples, x: the runner-up's time over it. Shapes between timed buckets take the backend with the least "
-            "slowdown interpolated from the buckets around them (possibly one that wins no bucket).")
+def _time_note(sel: Selection, wide: bool) -> str:
+    """The legend of what the report shows: the time columns when a phase was timed (a phase with one valid
+    candidate is not), the check time in the wide layout, the dispatch tables when there are any."""
+    timed = [c.score_us is not None for cands in sel.candidates.values() for c in cands
+             if c.status in ("valid", "selected")]
+    parts = []
+    if any(timed):
+        where = "inputs read from HBM" if sel.device.get("gpu") else "on the CPU"
+        parts.append(f"{sel.mode} us: time per call, geometric mean over the phase's timed buckets (each the median of "
+                     f"interleaved samples, {where}); vs best: over the fastest candidate's.")
+    if not all(timed):
+        parts.append(f"A blank {sel.mode} us: not timed (a phase with one valid candidate, an explicit backend or "
+                     "policy priority).")
+    if wide:
+        parts.append("check s: validation wall time.")
+    if any(t is not None for t in sel.dispatch.values()):
+        parts.append("Dispatch tables: us/call of the bucket's backend, spread (max - min) / median of its samples, "
+                     "x: the runner-up's time over it. Shapes between timed buckets take the backend with the least "
+                     "slowdown interpolated from the buckets around them (possibly one that wins no bucket).")
+    return " ".join(parts)
 
 
 def _cut(text: str, room: int) -> str:
@@ -395,7 +409,7 @@ def print_report(sel: Selection, args: argparse.Namespace, out: Console) -> None
     """The tables of one selection (candidates, dispatch per phase) and the lines under it, ending with the
     choices."""
     out.print(report_table(sel, out.width))
-    out.print(_time_note(sel), soft_wrap=False)
+    out.print(_time_note(sel, out.width >= WIDE), soft_wrap=False)
     for phase in sel.phases:
         table = dispatch_table(sel, phase, out.width)
         if table is not None:

@@ -247,7 +247,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         _unsupported("flash_attn_with_kvcache", given)
     func = "flash_attn_with_kvcache"
     if page_table is None:
-        _unsupported(func, {"page_table": None})  # a contiguous [batch, seqlen] cache: not served
+        raise UnsupportedArgument(f"attnsel.{func}: page_table=None (a contiguous [batch, seqlen, kv_heads, head_dim] "
+                                  "cache) is not served: attnsel needs a paged cache [num_pages, page_size, kv_heads, "
+                                  "head_dim] and an int32 page_table [batch, max_pages]")
     if cache_seqlens is None:
         raise ValueError(f"attnsel.{func}: cache_seqlens is required (tokens already in each sequence's cache)")
     if q.dim() != 4 or q.shape[1] != 1:

@@ -122,6 +122,11 @@ def test_console_script_on_a_cpu_machine(tmp_path):
     if "CPU" in proc.stdout.splitlines()[0]:
         assert proc.stdout.strip().splitlines()[-2:] == ["prefill: torch (auto)", "decode: torch (auto)"]
         assert "no CUDA device" in proc.stdout
+        # the legend explains what is shown: blank times (torch alone is valid: not timed), the check time of the
+        # wide layout; no dispatch tables, no HBM (a newcomer read those as missing output)
+        legend = " ".join(proc.stdout.split())
+        assert "A blank eager us: not timed" in legend and "check s:" in legend
+        assert "HBM" not in legend and "Dispatch tables" not in legend
 
 
 def test_cache_commands(capsys):

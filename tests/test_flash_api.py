@@ -234,7 +234,7 @@ def test_one_plan_per_step_and_selection_once_per_spec(monkeypatch):
     ("kvcache", {"rotary_cos": torch.zeros(1)}, "rotary_cos"),
     ("kvcache", {"scheduler_metadata": torch.zeros(1)}, "scheduler_metadata"),
     ("kvcache", {"return_softmax_lse": True}, "return_softmax_lse=True"),
-    ("kvcache", {"page_table": None}, "page_table=None"),
+    ("kvcache", {"page_table": None}, "page_table=None (a contiguous"),
     ("kvcache", {"k_descale": torch.ones(1)}, "k_descale"),
 ])
 def test_unsupported_argument_is_named(monkeypatch, func, kwargs, name):

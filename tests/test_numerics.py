@@ -79,7 +79,8 @@ def test_triton_unavailable_without_cuda_or_interpreter(monkeypatch):
         pytest.skip("a CUDA device is present")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     reason = get("triton").unsupported(AttentionSpec(4, 2, 64, dtype="bf16"), "prefill")
-    assert reason == "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)"
+    assert reason == ("no CUDA device (TRITON_INTERPRET=1 runs the kernels in Triton's interpreter: for tests, far "
+                      "slower than torch)")
 
 
 def test_unavailable_reasons_collect_every_failure(monkeypatch):

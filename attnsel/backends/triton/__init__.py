@@ -125,7 +125,8 @@ class TritonBackend:
             reasons.append("the triton package is not installed (pip install triton)")
         if not interpreted():
             if not torch.cuda.is_available():
-                reasons.append("no CUDA device (set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)")
+                reasons.append("no CUDA device (TRITON_INTERPRET=1 runs the kernels in Triton's interpreter: for "
+                               "tests, far slower than torch)")
             else:
                 reasons.append(capability_reason(">= 8.0", lambda cap: cap >= (8, 0), device))
         reasons.append(dtype_reason(spec))
