@@ -109,15 +109,15 @@ def _take(key: tuple, make) -> tuple[object, _Hold]:
         free = [w for w in pool if w.attnsel_owner() is None]
         for extra in free[FREE_KEPT:]:
             pool.remove(extra)
-        if free:
-            free[0].attnsel_owner = weakref.ref(hold)
-            _planning.__dict__.setdefault("taken", []).append(free[0])
-            return free[0], hold
-    wrapper = make()  # outside the lock: a first sinks wrapper builds its JIT module (minutes)
-    wrapper.attnsel_owner = weakref.ref(hold)
+        wrapper = free[0] if free else None
+        if wrapper is not None:
+            wrapper.attnsel_owner = weakref.ref(hold)
+    if wrapper is None:
+        wrapper = make()  # outside the lock: a first sinks wrapper builds its JIT module (minutes)
+        wrapper.attnsel_owner = weakref.ref(hold)
+        with _pool_lock:
+            pool.append(wrapper)
     _planning.__dict__.setdefault("taken", []).append(wrapper)
-    with _pool_lock:
-        pool.append(wrapper)
     return wrapper, hold
 
 
