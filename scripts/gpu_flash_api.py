@@ -78,6 +78,39 @@ def prefill_case(lens: list[int], hq=32, hk=8, d=128) -> dict:
     return {"phase": "prefill", "lens": lens, "backend": sel.prefill, **measure(direct, call)}
 
 
+def loop_us(fn, n: int = 2000) -> float:
+    """Host time of one call of a cheap host-side step (median of 5 loops of n)."""
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return round(statistics.median(times), 3)
+
+
+def breakdown(hq=32, hk=8, d=128, ps=16) -> dict:
+    """Host time of the steps flash_attn_with_kvcache adds to a direct run (CUDA tensors: where the 5 us go)."""
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(8, 1, hq, d, device=dev, dtype=dt)
+    kc = torch.randn(8 * 130, ps, hk, d, device=dev, dtype=dt)
+    seqlens = torch.full((8,), 2048, dtype=torch.int32, device=dev)
+    out = q[:, 0]
+    sel = flash_api.selection_for(AttentionSpec(hq, hk, d, "bf16", page_size=ps), q.device)
+    table = torch.arange(8 * 130, device=dev, dtype=torch.int32).view(8, 130)
+    run = sel.plan_decode(table, seqlens)
+    from attnsel.selection import plan_is_current
+    return {"is_current_stream_capturing": loop_us(torch.cuda.is_current_stream_capturing),
+            "q[:, 0]": loop_us(lambda: q[:, 0]), "unsqueeze(1)": loop_us(lambda: out.unsqueeze(1)),
+            "q.device": loop_us(lambda: q.device), "tensor._version": loop_us(lambda: seqlens._version),
+            "_resolve": loop_us(lambda: flash_api._resolve(q, kc, kc.dtype, ps, None, True, None, None, False)),
+            "plan_is_current": loop_us(lambda: plan_is_current(run)),
+            "shape checks": loop_us(lambda: (q.dim() != 4 or q.shape[1] != 1, kc.dim(), kc.shape == kc.shape,
+                                            table.dtype != torch.int32, table.dim(), table.shape[0] != q.shape[0],
+                                            seqlens.dtype, seqlens.shape != (8,)))}
+
+
 def measure(direct, call) -> dict:
     d_host, d_wall = host_us(direct)
     c_host, c_wall = host_us(call)
@@ -98,9 +131,11 @@ def main() -> None:
             decode_case(8, 2048, hq, hk, append=True), prefill_case([1024], hq, hk), prefill_case([128] * 8, hq, hk)]
     for row in rows:
         print(json.dumps(row))
+    parts = breakdown(hq, hk)
+    print(json.dumps({"breakdown_us": parts}))
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "mode": args.mode, "heads": [hq, hk], "burst": BURST, "repeats": REPEATS,
-              "command": " ".join(sys.argv), "rows": rows,
+              "command": " ".join(sys.argv), "rows": rows, "breakdown_us": parts,
               "max_overhead_us": max(r["overhead_us"] for r in rows if not r.get("append"))}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
