@@ -114,11 +114,12 @@ def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int
 
 
 def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size: int, softmax_scale, causal: bool,
-             window: int | None, softcap: float | None, sinks: bool) -> tuple[AttentionSpec, Selection]:
-    """The AttentionSpec of the call and its Selection, memoised on the cheap facts they are made from (hashing a
-    spec per call would cost a microsecond)."""
-    key = (q.dtype, kv_dtype, q.shape[-2], k.shape[-2], q.shape[-1], page_size, softmax_scale, causal, window,
-           softcap, sinks, q.device)
+             window: int | None, softcap: float | None, sinks: bool) -> tuple[AttentionSpec, Selection, int]:
+    """The AttentionSpec of the call, its Selection and a small int naming it in the plan cache, memoised on the
+    cheap facts they are made from (hashing a spec per call would cost a microsecond)."""
+    qs = q.shape
+    key = (q.dtype, kv_dtype, qs[-2], k.shape[-2], qs[-1], page_size, softmax_scale, causal, window, softcap, sinks,
+           q.device)
     found = _specs.get(key)
     if found is None:
         head_dim = q.shape[-1]
@@ -136,7 +137,7 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size:
         spec = AttentionSpec(num_q_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=head_dim,
                              dtype=dtype_name(q.dtype), page_size=page_size, causal=causal, softmax_scale=scale,
                              sliding_window=window, softcap=softcap, sinks=sinks, kv_dtype=kv_name)
-        found = _specs[key] = (spec, selection_for(spec, q.device))
+        found = _specs[key] = (spec, selection_for(spec, q.device), len(_specs))
     return found
 
 
@@ -144,19 +145,21 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _cached_plan(slot, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool, make):
-    """The plan stored for ``slot`` if it was made (outside capture) from these very metadata tensors a, b at their
-    current versions and these host values; else make one and store it (holding the tensors keeps their ids
-    unique) and still current (a plan made since by anyone on the same backend state, e.g. a plugin with one plan per
-    wrapper, makes it stale: re-planned)."""
-    versions = (a._version, b._version)
+def _cached_plan(slot: tuple, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool):
+    """The plan stored for ``slot`` (phase, spec number) if it was made outside capture from these very metadata
+    tensors a, b at their current versions and these host values, and is still current (a plan made since by anyone
+    on the same backend state, e.g. a plugin with one plan per wrapper, makes it stale); else None."""
     entry = _plans.get(slot)
-    if (not capturing and entry is not None and entry[0] is a and entry[1] is b and entry[2] == versions
-            and entry[3] == host and entry[4] is False
-            and plan_is_current(entry[5][1] if isinstance(entry[5], tuple) else entry[5])):
-        return entry[5]
-    plan = make()
-    _plans[slot] = (a, b, versions, host, capturing, plan)
+    if (not capturing and entry is not None and entry[0] is a and entry[1] is b and entry[2] == a._version
+            and entry[3] == b._version and entry[4] == host and entry[5] is False
+            and plan_is_current(entry[6][1] if isinstance(entry[6], tuple) else entry[6])):
+        return entry[6]
+    return None
+
+
+def _store_plan(slot: tuple, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool, plan):
+    """Keep a new plan for ``slot`` (holding the tensors keeps their ids unique) and return it."""
+    _plans[slot] = (a, b, a._version, b._version, host, capturing, plan)
     if capturing:  # a CUDA graph replays this plan's buffers: keep the plan as long as the process (graphs included)
         _captured.append(plan)
     return plan
@@ -203,12 +206,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"{v.dtype}")
     window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(
         "flash_attn_varlen_func", causal, window_size, softcap)
-    spec, sel = _resolve(q, k, k.dtype, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window, cap,
-                         sinks is not None)
+    spec, sel, number = _resolve(q, k, k.dtype, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window, cap,
+                                 sinks is not None)
     host = (int(max_seqlen_q), int(max_seqlen_k), q.shape[0], k.shape[0])
-    hints = {n: x for n, x in (("total_q", host[2]), ("total_k", host[3])) if n in _PREFILL_HINTS}
-    run = _cached_plan(("prefill", spec, q.device), cu_seqlens_q, cu_seqlens_k, host, _capturing(q),
-                       lambda: sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], **hints))
+    slot, capturing = ("prefill", number), _capturing(q)
+    run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
+    if run is None:
+        hints = {n: x for n, x in (("total_q", host[2]), ("total_k", host[3])) if n in _PREFILL_HINTS}
+        run = _store_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing,
+                          sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], **hints))
     if sinks is None:
         return run(q, k, v)
     return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, q.shape[1]))
@@ -289,26 +295,35 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(func, causal,
                                                                                               window_size, softcap)
     # One query token: causal or not is the same attention; the spec says causal so that one selection serves both.
-    spec, sel = _resolve(q, k_cache, k_cache.dtype, page_size, softmax_scale, True, window, cap, sinks is not None)
+    spec, sel, number = _resolve(q, k_cache, k_cache.dtype, page_size, softmax_scale, True, window, cap,
+                                 sinks is not None)
     append = k is not None
     host = (append, page_table.shape[1])
-
-    def make():
-        if append:
-            pos = cache_seqlens.long()
-            page = page_table.gather(1, (pos // page_size)[:, None].clamp(max=page_table.shape[1] - 1))[:, 0]
-            slots = page.long() * page_size + pos % page_size
-            lens = cache_seqlens + 1
-        else:
-            slots, lens = None, cache_seqlens
-        hints = {"max_seq_len": page_table.shape[1] * page_size} if _DECODE_HINTS else {}
-        return slots, sel.plan_decode(page_table, lens, **hints)
-
-    slots, run = _cached_plan(("decode", spec, q.device), cache_seqlens, page_table, host, _capturing(q), make)
+    slot, capturing = ("decode", number), _capturing(q)
+    plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
+    if plan is None:
+        plan = _store_plan(slot, cache_seqlens, page_table, host, capturing,
+                           _plan_decode(sel, page_table, cache_seqlens, page_size, append))
+    slots, run = plan
     if append:
         kvh, d = k_cache.shape[2:]
         k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
         v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
     if sinks is None and not scales:
-        return run(q[:, 0], k_cache, v_cache).unsqueeze(1)
-    return run(q[:, 0], k_cache, v_cache, **_sinks_kwargs(func, sinks, q.shape[2]), **scales).unsqueeze(1)
+        return run(q.squeeze(1), k_cache, v_cache).unsqueeze(1)
+    return run(q.squeeze(1), k_cache, v_cache, **_sinks_kwargs(func, sinks, q.shape[2]), **scales).unsqueeze(1)
+
+
+def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int,
+                 append: bool) -> tuple[torch.Tensor | None, object]:
+    """(cache slots of the new tokens or None, run function) of a flash_attn_with_kvcache plan: with new tokens the
+    query attends to cache_seqlens + 1 tokens, the last one written at position cache_seqlens."""
+    if append:
+        pos = cache_seqlens.long()
+        page = page_table.gather(1, (pos // page_size)[:, None].clamp(max=page_table.shape[1] - 1))[:, 0]
+        slots = page.long() * page_size + pos % page_size
+        lens = cache_seqlens + 1
+    else:
+        slots, lens = None, cache_seqlens
+    hints = {"max_seq_len": page_table.shape[1] * page_size} if _DECODE_HINTS else {}
+    return slots, sel.plan_decode(page_table, lens, **hints)

@@ -1,7 +1,8 @@
 """Host time per call of attnsel.flash_attn_varlen_func / flash_attn_with_kvcache vs the selected backend's run.
 
 Usage (H200): python scripts/gpu_flash_api.py OUT.json [--mode eager|graph] [--heads 32,8]
-Per case: the same inputs through (a) the plan's run function called directly and (b) the FA3-compatible call
+Per case: the same inputs through (a) the run function the FA3-compatible call planned (and reuses), called
+directly, and (b) the FA3-compatible call
 (spec inference, selection lookup, plan cache hit, argument checks, then the same run). Host time = wall time of a
 burst of launches without synchronisation (bursts short enough not to fill the launch queue), median of repeats;
 GPU time of the same loop with a sync is reported beside it. Overhead = (b) - (a); target within 5 us.
@@ -41,6 +42,11 @@ def host_us(fn) -> tuple[float, float]:
     return statistics.median(host), statistics.median(wall)
 
 
+def _last_plan(phase: str):
+    """The plan the FA3-compatible call of this phase stored (one spec per run of this script)."""
+    return next(entry[-1] for slot, entry in flash_api._plans.items() if slot[0] == phase)
+
+
 def decode_case(batch: int, ctx: int, hq=32, hk=8, d=128, ps=16, append=False) -> dict:
     dev, dt = "cuda", torch.bfloat16
     pages = (ctx + ps) // ps + 1
@@ -54,9 +60,9 @@ def decode_case(batch: int, ctx: int, hq=32, hk=8, d=128, ps=16, append=False) -
     call = lambda: attnsel.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,  # noqa: E731
                                                    page_table=table, causal=True)
     call()
-    sel = flash_api.selection_for(AttentionSpec(hq, hk, d, "bf16", page_size=ps), q.device)  # the call's spec
-    lens = seqlens + 1 if append else seqlens
-    run = sel.plan_decode(table, lens)
+    spec = AttentionSpec(hq, hk, d, "bf16", page_size=ps)  # the call's spec
+    sel = flash_api.selection_for(spec, q.device)
+    run = _last_plan("decode")[1]  # the very run function the call reuses
     q2 = q[:, 0]
     direct = lambda: run(q2, kc, vc)  # noqa: E731
     return {"phase": "decode", "batch": batch, "ctx": ctx, "append": append, "backend": sel.decode,
@@ -72,8 +78,9 @@ def prefill_case(lens: list[int], hq=32, hk=8, d=128) -> dict:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     call = lambda: attnsel.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)  # noqa: E731
     call()
-    sel = flash_api.selection_for(AttentionSpec(hq, hk, d, "bf16", page_size=flash_api.DEFAULT_PAGE_SIZE), q.device)
-    run = sel.plan_prefill(cu, cu, max(lens), max(lens))
+    spec = AttentionSpec(hq, hk, d, "bf16", page_size=flash_api.DEFAULT_PAGE_SIZE)
+    sel = flash_api.selection_for(spec, q.device)
+    run = _last_plan("prefill")  # the very run function the call reuses
     direct = lambda: run(q, k, v)  # noqa: E731
     return {"phase": "prefill", "lens": lens, "backend": sel.prefill, **measure(direct, call)}
 
