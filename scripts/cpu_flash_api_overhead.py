@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
+import timeit
 from pathlib import Path
 
 import torch
@@ -18,13 +18,7 @@ from attnsel import flash_api  # noqa: E402
 
 
 def per_call_us(fn, n: int = 20000) -> float:
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(times)
+    return statistics.median(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
 
 
 def main() -> None:
