@@ -11,7 +11,10 @@ and persistent cache as ``attnsel.select``; ``$ATTNSEL_PREFILL_BACKEND`` / ``$AT
 ``configure()`` choose explicit backends). A call plans on the selected backend and runs; the plan is reused while
 the metadata tensors (cu_seqlens, or cache_seqlens and page_table) are the same tensor objects at the same version
 counter and the host sizes are equal, so the layers of one step share one plan. Rewriting metadata in a way torch does
-not count (numpy views, DLPack, ``.data``) needs ``reset()``.
+not count needs ``reset()``: numpy views, DLPack, ``.data``, ``untyped_storage()`` copies, Triton kernels and custom
+ops that write into them, and CUDA graph replays (a graph's writes move no version counter). Metadata tensors made
+under ``torch.inference_mode()`` have no version counter: their plans are never reused (one plan per call, logged
+once); allocate them outside inference mode to share a plan across layers.
 
 CUDA graphs: the first call of a spec selects (outside capture). During capture every call plans afresh (a plan made
 outside the capture would replay stale device metadata) and plans get host bounds instead of device values
@@ -24,6 +27,7 @@ plan syncs with the host, so a FlashInfer selection cannot be captured here.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -47,6 +51,8 @@ _options: dict = {}
 _selections: dict = {}
 _specs: dict = {}
 _plans: dict = {}
+_numbers = itertools.count()  # names specs in _plans' slots; never restarts (a reset racing a call cannot reuse one)
+_no_versions_logged: list = []
 _captured: list = []  # plans made during CUDA-graph capture: kept for good (configure() does not drop them)
 # Host-size hints of Selection.plan_* (issue 10): passed only where this version of Selection accepts them.
 _PREFILL_HINTS = {"total_q", "total_k"} & set(inspect.signature(Selection.plan_prefill).parameters)
@@ -115,15 +121,19 @@ def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int
 
 def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size: int, softmax_scale, causal: bool,
              window: int | None, softcap: float | None, sinks: bool) -> tuple[AttentionSpec, Selection, int]:
-    """The AttentionSpec of the call, its Selection and a small int naming it in the plan cache, memoised on the
-    cheap facts they are made from (hashing a spec per call would cost a microsecond)."""
-    qs = q.shape
-    key = (q.dtype, kv_dtype, qs[-2], k.shape[-2], qs[-1], page_size, softmax_scale, causal, window, softcap, sinks,
+    """The AttentionSpec of the call, its Selection and an int naming it in the plan cache (unique for the process),
+    memoised on the cheap facts they are made from (hashing a spec per call would cost a microsecond)."""
+    qs, ks = q.shape, k.shape
+    key = (q.dtype, kv_dtype, qs[-2], ks[-2], qs[-1], ks[-1], page_size, softmax_scale, causal, window, softcap, sinks,
            q.device)
     found = _specs.get(key)
     if found is None:
         head_dim = q.shape[-1]
         scale = None
+        if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                          or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+            raise ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a positive finite Python float, got "
+                             f"{_show(softmax_scale)}")
         if softmax_scale is not None and not math.isclose(softmax_scale, head_dim ** -0.5, rel_tol=1e-6):
             scale = float(softmax_scale)
         kv_name = None
@@ -137,7 +147,8 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size:
         spec = AttentionSpec(num_q_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=head_dim,
                              dtype=dtype_name(q.dtype), page_size=page_size, causal=causal, softmax_scale=scale,
                              sliding_window=window, softcap=softcap, sinks=sinks, kv_dtype=kv_name)
-        found = _specs[key] = (spec, selection_for(spec, q.device), len(_specs))
+        # setdefault: of two threads making the first call of a key at once, both use the first one's entry
+        found = _specs.setdefault(key, (spec, selection_for(spec, q.device), next(_numbers)))
     return found
 
 
@@ -145,21 +156,38 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _versions(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int] | None:
+    """The version counters of the metadata tensors; None for tensors made under torch.inference_mode(), which have
+    none: a change to them cannot be seen, so their plans are never reused (logged once)."""
+    try:
+        return a._version, b._version
+    except RuntimeError:
+        if not _no_versions_logged:
+            _no_versions_logged.append(True)
+            log.warning("attnsel: metadata tensors made under torch.inference_mode() have no version counter, so "
+                        "attnsel cannot tell whether they changed and plans every call; allocate cu_seqlens / "
+                        "cache_seqlens / page_table outside inference mode (or use torch.no_grad()) to share one plan "
+                        "across the layers of a step")
+        return None
+
+
 def _cached_plan(slot: tuple, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool):
     """The plan stored for ``slot`` (phase, spec number) if it was made outside capture from these very metadata
     tensors a, b at their current versions and these host values, and is still current (a plan made since by anyone
     on the same backend state, e.g. a plugin with one plan per wrapper, makes it stale); else None."""
     entry = _plans.get(slot)
-    if (not capturing and entry is not None and entry[0] is a and entry[1] is b and entry[2] == a._version
-            and entry[3] == b._version and entry[4] == host and entry[5] is False
-            and plan_is_current(entry[6][1] if isinstance(entry[6], tuple) else entry[6])):
-        return entry[6]
+    if (not capturing and entry is not None and entry[0] is a and entry[1] is b and entry[2] is not None
+            and entry[2] == _versions(a, b) and entry[3] == host and entry[4] is False
+            and plan_is_current(entry[5][1] if isinstance(entry[5], tuple) else entry[5])):
+        return entry[5]
     return None
 
 
-def _store_plan(slot: tuple, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool, plan):
-    """Keep a new plan for ``slot`` (holding the tensors keeps their ids unique) and return it."""
-    _plans[slot] = (a, b, a._version, b._version, host, capturing, plan)
+def _store_plan(slot: tuple, a: torch.Tensor, b: torch.Tensor, versions: tuple[int, int] | None, host: tuple,
+                capturing: bool, plan):
+    """Keep a new plan for ``slot`` with the metadata's versions read before planning (holding the tensors keeps
+    their ids unique) and return it."""
+    _plans[slot] = (a, b, versions, host, capturing, plan)
     if capturing:  # a CUDA graph replays this plan's buffers: keep the plan as long as the process (graphs included)
         _captured.append(plan)
     return plan
@@ -213,7 +241,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
     if run is None:
         hints = {n: x for n, x in (("total_q", host[2]), ("total_k", host[3])) if n in _PREFILL_HINTS}
-        run = _store_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing,
+        versions = _versions(cu_seqlens_q, cu_seqlens_k)
+        run = _store_plan(slot, cu_seqlens_q, cu_seqlens_k, versions, host, capturing,
                           sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], **hints))
     if sinks is None:
         return run(q, k, v)
@@ -292,6 +321,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         raise UnsupportedArgument(f"attnsel.{func}: k and v must be [batch, 1, kv_heads, head_dim] = "
                                   f"[{batch}, 1, {k_cache.shape[2]}, {k_cache.shape[3]}] (one new token per "
                                   f"sequence), got {tuple(k.shape)} and {tuple(v.shape)}")
+    extra = _sinks_kwargs(func, sinks, q.shape[2]) if sinks is not None else {}  # checked before the cache is written
     window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(func, causal,
                                                                                               window_size, softcap)
     # One query token: causal or not is the same attention; the spec says causal so that one selection serves both.
@@ -302,7 +332,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     slot, capturing = ("decode", number), _capturing(q)
     plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
     if plan is None:
-        plan = _store_plan(slot, cache_seqlens, page_table, host, capturing,
+        versions = _versions(cache_seqlens, page_table)
+        plan = _store_plan(slot, cache_seqlens, page_table, versions, host, capturing,
                            _plan_decode(sel, page_table, cache_seqlens, page_size, append))
     slots, run = plan
     if append:
@@ -311,7 +342,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
     if sinks is None and not scales:
         return run(q.squeeze(1), k_cache, v_cache).unsqueeze(1)
-    return run(q.squeeze(1), k_cache, v_cache, **_sinks_kwargs(func, sinks, q.shape[2]), **scales).unsqueeze(1)
+    return run(q.squeeze(1), k_cache, v_cache, **extra, **scales).unsqueeze(1)
 
 
 def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int,

@@ -87,7 +87,8 @@ def decode_case(batch: int, ctx: int, hq=32, hk=8, d=128, ps=16, append=False) -
     run = _last_plan("decode")[1]  # the very run function the call reuses
     q2 = q[:, 0]
     direct = lambda: run(q2, kc, vc)  # noqa: E731
-    return {"phase": "decode", "batch": batch, "ctx": ctx, "append": append, "backend": sel.decode,
+    backend = sel.decode_backend_for(batch, pages * ps)  # the call's plan: context bound by the table's width
+    return {"phase": "decode", "batch": batch, "ctx": ctx, "append": append, "backend": backend,
             **measure(direct, call)}
 
 
@@ -104,7 +105,8 @@ def prefill_case(lens: list[int], hq=32, hk=8, d=128) -> dict:
     sel = flash_api.selection_for(spec, q.device)
     run = _last_plan("prefill")  # the very run function the call reuses
     direct = lambda: run(q, k, v)  # noqa: E731
-    return {"phase": "prefill", "lens": lens, "backend": sel.prefill, **measure(direct, call)}
+    backend = sel.prefill_backend_for(len(lens), total, max(lens))
+    return {"phase": "prefill", "lens": lens, "backend": backend, **measure(direct, call)}
 
 
 def loop_us(fn, n: int = 2000) -> float:
@@ -131,7 +133,7 @@ def breakdown(hq=32, hk=8, d=128, ps=16) -> dict:
     run = sel.plan_decode(table, seqlens)
     from attnsel.selection import plan_is_current
     return {"is_current_stream_capturing": loop_us(torch.cuda.is_current_stream_capturing),
-            "q[:, 0]": loop_us(lambda: q[:, 0]), "unsqueeze(1)": loop_us(lambda: out.unsqueeze(1)),
+            "q.squeeze(1)": loop_us(lambda: q.squeeze(1)), "unsqueeze(1)": loop_us(lambda: out.unsqueeze(1)),
             "q.device": loop_us(lambda: q.device), "tensor._version": loop_us(lambda: seqlens._version),
             "_resolve": loop_us(lambda: flash_api._resolve(q, kc, kc.dtype, ps, None, True, None, None, False)),
             "plan_is_current": loop_us(lambda: plan_is_current(run)),
@@ -149,7 +151,8 @@ def measure(direct, call) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON output path")
-    parser.add_argument("--mode", default="eager", choices=("eager", "graph"), help="selection mode")
+    parser.add_argument("--mode", default="eager", choices=("eager", "graph"),
+                        help="selection mode (the calls themselves run eagerly: host time is what is measured)")
     parser.add_argument("--heads", default="32,8", help="query and KV heads (head_dim 128, bf16, page 16)")
     args = parser.parse_args()
     hq, hk = map(int, args.heads.split(","))

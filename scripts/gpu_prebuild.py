@@ -17,6 +17,7 @@ from attnsel.backends import get  # noqa: E402
 from attnsel.spec import AttentionSpec  # noqa: E402
 from tests.feature_cases import decode_case, prefill_case  # noqa: E402
 
+failed = []
 for arg in sys.argv[1:]:
     name, kv, phase = arg.split(":")
     spec = AttentionSpec(32, 8, 128, "bf16", 16, kv_dtype=None if kv == "bf16" else kv)
@@ -27,3 +28,7 @@ for arg in sys.argv[1:]:
     err = case.error(case.run(get(name), spec))
     print(f"{arg}: built and ran in {time.perf_counter() - t0:.1f} s, max abs error {err:.3g} "
           f"(tolerance {case.tolerance(spec):.3g})", flush=True)
+    if not err <= case.tolerance(spec):  # NaN included
+        failed.append(arg)
+if failed:
+    sys.exit(f"over tolerance or not finite: {', '.join(failed)}")

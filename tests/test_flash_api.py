@@ -393,3 +393,122 @@ def test_plans_made_during_capture_outlive_the_plan_cache(monkeypatch):
     import gc
     gc.collect()
     assert captured() is not None and len(flash_api._captured) == 2
+
+
+def _window_step(window):
+    """A decode step's inputs shared by a global and a sliding layer, and each layer kind's float32 reference."""
+    hq, hk, d, ps = 4, 2, 16, 4
+    lens = [3, 9, 13]
+    kc, vc, table, ks, vs = paged(lens, hk, d, ps, torch.float32, seed=11, garbage=1e4)
+    q = torch.randn(len(lens), 1, hq, d, generator=torch.Generator().manual_seed(11)).to(DEV)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    refs = {w: reference(q[:, 0].cpu(), torch.cat(ks), torch.cat(vs), [1] * len(lens), lens, d ** -0.5, window=w)
+            for w in (None, window)}
+    call = lambda w: attnsel.flash_attn_with_kvcache(  # noqa: E731
+        q, kc, vc, cache_seqlens=seqlens, page_table=table, causal=True, window_size=(w - 1, 0) if w else (-1, -1))
+    return call, refs
+
+
+def test_first_calls_racing_in_two_threads_give_no_slot_to_another_spec(monkeypatch):
+    """Two threads make the first call of one spec at once (the selection is slow, so both miss the memo). A later
+    spec (a sliding-window layer over the same metadata) must not get the plan slot of the first: it would reuse the
+    global layers' plan and attend to every token. Failed when slots were numbered by len(_specs)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    real = flash_api.selection_for
+    monkeypatch.setattr(flash_api, "selection_for", lambda spec, device: time.sleep(0.3) or real(spec, device))
+    call, refs = _window_step(5)
+    threads = [threading.Thread(target=call, args=(None,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w in (None, 5, None, 5):
+        assert (call(w)[:, 0].cpu() - refs[w]).abs().max().item() < 1e-5, w
+
+
+def test_a_reset_during_planning_gives_no_slot_to_another_spec(monkeypatch):
+    """configure()/reset() while a call is planning: that call stores its plan after the reset. A spec seen after
+    the reset must not be handed the same slot (it was, with slots numbered by len(_specs))."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    call, refs = _window_step(5)
+    real = attnsel.Selection.plan_decode
+    resets = []
+
+    def plan_then_reset(self, *args, **kwargs):
+        run = real(self, *args, **kwargs)
+        if not resets:
+            resets.append(True)
+            flash_api.reset()  # as another thread would, between planning and storing the plan
+        return run
+
+    monkeypatch.setattr(attnsel.Selection, "plan_decode", plan_then_reset)
+    call(None)
+    assert resets
+    for w in (5, None, 5):
+        assert (call(w)[:, 0].cpu() - refs[w]).abs().max().item() < 1e-5, w
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.25), float("nan"), -1.0, 0.0, True, "0.25"])
+def test_softmax_scale_must_be_a_positive_float(monkeypatch, scale):
+    """A scale that is not a positive finite Python number is refused; before, a 0-d tensor or NaN never compared
+    equal to itself in the memo key, and every call made a new spec entry and a new plan slot."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    q, k, v, cu_q, cu_k = ragged([3], [3], 2, 1, 8, torch.float32)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="softmax_scale must be None .* positive finite Python float"):
+            attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softmax_scale=scale)
+    assert not flash_api._specs and not flash_api._plans
+
+
+def test_calls_under_inference_mode_are_right_and_plan_each_call(monkeypatch, caplog):
+    """Serving engines run under torch.inference_mode(); tensors made there have no version counter (reading it
+    raised RuntimeError). The calls must work, and since a change to such metadata cannot be seen, plan every call
+    (an in-place rewrite of cu_seqlens must still give the right answer), and say why once."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    monkeypatch.setattr(flash_api, "_no_versions_logged", [])
+    plans = []
+    real = attnsel.Selection.plan_prefill
+    monkeypatch.setattr(attnsel.Selection, "plan_prefill", lambda self, *a, **kw: plans.append(1) or real(self, *a, **kw))
+    with torch.inference_mode():
+        q, k, v, cu_q, cu_k = ragged([4, 4], [4, 4], 2, 2, 8, torch.float32, seed=2)
+        attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+        cu_q[1], cu_k[1] = 2, 2  # no version counter moves
+        out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+        call, refs = _window_step(None)
+        dec = call(None)
+    assert len(plans) == 2
+    assert (out.cpu() - reference(q.cpu(), k.cpu(), v.cpu(), [2, 6], [2, 6], 8 ** -0.5)).abs().max().item() < 1e-5
+    assert (dec[:, 0].cpu() - refs[None]).abs().max().item() < 1e-5
+    assert sum("no version counter" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_bad_inputs_raise_before_the_cache_is_written(monkeypatch):
+    """A wrong sinks shape, or a k_cache whose head_dim differs from q's on a later call, raises before the new token
+    is written into the cache (both wrote it first)."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    hq, hk, d, ps = 4, 2, 8, 4
+    kc = torch.zeros(8, ps, hk, d, device=DEV)
+    table = torch.arange(8, dtype=torch.int32, device=DEV).view(2, 4)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 1, hq, d, device=DEV)
+    k_new = torch.ones(2, 1, hk, d, device=DEV)
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), k_new, k_new, cache_seqlens=seqlens, page_table=table,
+                                        causal=True, sinks=torch.zeros(2))
+    assert kc.abs().sum().item() == 0
+    attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens, page_table=table, causal=True)
+    kc16 = torch.zeros(8, ps, hk, 2 * d, device=DEV)
+    for _ in range(2):  # a first and a later call of the same (q, k_cache) heads
+        with pytest.raises(attnsel.spec.SpecError, match="head_dim"):
+            attnsel.flash_attn_with_kvcache(q, kc16, kc16.clone(), torch.ones(2, 1, hk, 2 * d, device=DEV),
+                                            torch.ones(2, 1, hk, 2 * d, device=DEV), cache_seqlens=seqlens,
+                                            page_table=table, causal=True)
+        assert kc16.abs().sum().item() == 0
