@@ -30,6 +30,7 @@ import inspect
 import itertools
 import logging
 import math
+import numbers
 import os
 
 import torch
@@ -123,6 +124,7 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size:
              window: int | None, softcap: float | None, sinks: bool) -> tuple[AttentionSpec, Selection, int]:
     """The AttentionSpec of the call, its Selection and an int naming it in the plan cache (unique for the process),
     memoised on the cheap facts they are made from (hashing a spec per call would cost a microsecond)."""
+    softmax_scale = _scale_value(softmax_scale)
     qs, ks = q.shape, k.shape
     key = (q.dtype, kv_dtype, qs[-2], ks[-2], qs[-1], ks[-1], page_size, softmax_scale, causal, window, softcap, sinks,
            q.device)
@@ -130,8 +132,7 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size:
     if found is None:
         head_dim = q.shape[-1]
         scale = None
-        if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                          or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        if softmax_scale is not None and (not math.isfinite(softmax_scale) or softmax_scale <= 0):
             raise ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a positive finite Python float, got "
                              f"{_show(softmax_scale)}")
         if softmax_scale is not None and not math.isclose(softmax_scale, head_dim ** -0.5, rel_tol=1e-6):
@@ -191,6 +192,25 @@ def _store_plan(slot: tuple, a: torch.Tensor, b: torch.Tensor, versions: tuple[i
     if capturing:  # a CUDA graph replays this plan's buffers: keep the plan as long as the process (graphs included)
         _captured.append(plan)
     return plan
+
+
+def _scale_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A descale factor as the run functions take it (float32 [1]): the caller's own tensor when it already is one, so
+    that backends reading it on the host (FlashInfer) read it once per tensor and version, not on every call."""
+    if t.dtype == torch.float32 and t.dim() == 1:
+        return t
+    return t.reshape(1).float()
+
+
+def _scale_value(softmax_scale):
+    """softmax_scale as a Python float (None stays None): FA3 takes any real number; tensors and bools are refused
+    (a tensor would need a host sync per call, and never compares equal in the spec memo)."""
+    if softmax_scale is None or type(softmax_scale) is float:
+        return softmax_scale
+    if isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool):
+        return float(softmax_scale)
+    raise ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a positive finite Python float, got "
+                     f"{_show(softmax_scale)}")
 
 
 def _sinks_kwargs(func: str, sinks: torch.Tensor | None, heads: int) -> dict:
@@ -290,9 +310,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if q.dim() != 4 or q.shape[1] != 1:
         raise UnsupportedArgument(f"attnsel.{func}: q must be [batch, 1, heads, head_dim] (one query token per "
                                   f"sequence), got {tuple(q.shape)}; use flash_attn_varlen_func for more")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"attnsel.{func}: k_cache and v_cache must both be [num_pages, page_size, kv_heads, "
-                         f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+                         f"head_dim] of one dtype, got {tuple(k_cache.shape)} {k_cache.dtype} and "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
     if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != q.shape[0]:
         raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {q.shape[0]}, got "
                          f"{page_table.dtype} {tuple(page_table.shape)}")
@@ -312,7 +333,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                 f"(per-tensor scales); got k_descale={_show(k_descale)}, v_descale={_show(v_descale)}")
         if k is not None:
             _unsupported(func, {"k": k, "v": v})  # quantising new tokens into an fp8 cache: write them yourself
-        scales = {"k_scale": k_descale.reshape(1).float(), "v_scale": v_descale.reshape(1).float()}
+        scales = {"k_scale": _scale_tensor(k_descale), "v_scale": _scale_tensor(v_descale)}
     elif k_descale is not None or v_descale is not None:
         _unsupported(func, {n: x for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None})
     if k is not None and (k.dtype != k_cache.dtype or v.dtype != k_cache.dtype):

@@ -412,7 +412,8 @@ def _window_step(window):
 def test_first_calls_racing_in_two_threads_give_no_slot_to_another_spec(monkeypatch):
     """Two threads make the first call of one spec at once (the selection is slow, so both miss the memo). A later
     spec (a sliding-window layer over the same metadata) must not get the plan slot of the first: it would reuse the
-    global layers' plan and attend to every token. Failed when slots were numbered by len(_specs)."""
+    global layers' plan and attend to every token. Failed when slots were numbered by len(_specs) and stored with
+    a plain assignment (the second thread's entry replaced the first's)."""
     import threading
     import time
 
@@ -455,8 +456,9 @@ def test_a_reset_during_planning_gives_no_slot_to_another_spec(monkeypatch):
 
 @pytest.mark.parametrize("scale", [torch.tensor(0.25), float("nan"), -1.0, 0.0, True, "0.25"])
 def test_softmax_scale_must_be_a_positive_float(monkeypatch, scale):
-    """A scale that is not a positive finite Python number is refused; before, a 0-d tensor or NaN never compared
-    equal to itself in the memo key, and every call made a new spec entry and a new plan slot."""
+    """A scale that is not a positive finite real number is refused, whatever came before (an accepted 1 or 0.25
+    first); before, a 0-d tensor or NaN never compared equal to itself in the memo key, and every call made a new
+    spec entry and a new plan slot."""
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     q, k, v, cu_q, cu_k = ragged([3], [3], 2, 1, 8, torch.float32)
@@ -464,6 +466,48 @@ def test_softmax_scale_must_be_a_positive_float(monkeypatch, scale):
         with pytest.raises(ValueError, match="softmax_scale must be None .* positive finite Python float"):
             attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softmax_scale=scale)
     assert not flash_api._specs and not flash_api._plans
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softmax_scale=1)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softmax_scale=0.25)
+    with pytest.raises(ValueError, match="softmax_scale must be None"):
+        attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softmax_scale=scale)
+
+
+def test_softmax_scale_takes_any_real_number(monkeypatch):
+    """As FA3: an int or a numpy scalar is a scale (numpy.float32 is no Python float subclass); same numbers as the
+    float, one spec for equal values."""
+    import numpy as np
+
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 2, 1, 8, torch.float32, seed=4)
+    ref = reference(q.cpu(), k.cpu(), v.cpu(), [3, 5], [3, 5], 0.5)
+    for scale in (np.float32(0.5), 0.5, np.float64(0.5)):  # numpy first: a float first would make it a memo hit
+        out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, softmax_scale=scale)
+        assert (out.cpu() - ref).abs().max().item() < 1e-5
+    assert len({entry[0] for entry in flash_api._specs.values()}) == 1 and len(flash_api._specs) == 1
+
+
+def test_a_write_to_the_metadata_during_planning_is_seen(monkeypatch):
+    """A write to cu_seqlens that lands while a call is planning (another thread) must make the next call plan again:
+    the versions a plan is stored with are read before planning (they were read after)."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    q, k, v, cu_q, cu_k = ragged([4, 4], [4, 4], 2, 2, 8, torch.float32, seed=2)
+    real = attnsel.Selection.plan_prefill
+    done = []
+
+    def plan_then_write(self, *args, **kwargs):
+        run = real(self, *args, **kwargs)
+        if not done:
+            done.append(True)
+            cu_q[1], cu_k[1] = 2, 2  # after the plan read the metadata, before the call stored the plan
+        return run
+
+    monkeypatch.setattr(attnsel.Selection, "plan_prefill", plan_then_write)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+    out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+    ref = reference(q.cpu(), k.cpu(), v.cpu(), [2, 6], [2, 6], 8 ** -0.5)
+    assert (out.cpu() - ref).abs().max().item() < 1e-5
 
 
 def test_calls_under_inference_mode_are_right_and_plan_each_call(monkeypatch, caplog):
@@ -505,6 +549,10 @@ def test_bad_inputs_raise_before_the_cache_is_written(monkeypatch):
                                         causal=True, sinks=torch.zeros(2))
     assert kc.abs().sum().item() == 0
     attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens, page_table=table, causal=True)
+    with pytest.raises(ValueError, match="of one dtype"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.to(torch.float16), k_new, k_new, cache_seqlens=seqlens,
+                                        page_table=table, causal=True)
+    assert kc.abs().sum().item() == 0
     kc16 = torch.zeros(8, ps, hk, 2 * d, device=DEV)
     for _ in range(2):  # a first and a later call of the same (q, k_cache) heads
         with pytest.raises(attnsel.spec.SpecError, match="head_dim"):

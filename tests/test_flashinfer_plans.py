@@ -121,3 +121,22 @@ def test_a_failed_plan_whose_exception_is_kept_releases_its_wrapper(fake_flashin
     run, want = _plan([4])
     assert _call(run) == want
     assert FakeDecodeWrapper.made == 1 and len(kept) == 3
+
+
+def test_host_scalar_reads_inference_tensors_every_call():
+    """fp8 descale factors made under torch.inference_mode() (as engines run) have no version counter: reading it
+    raised RuntimeError on every FlashInfer fp8 decode call. They are read on every call instead; normal tensors are
+    read once per version."""
+    from attnsel.backends.flashinfer import HostScalar
+
+    read = HostScalar()
+    normal = torch.tensor([0.5])
+    assert read(normal) == 0.5
+    normal.fill_(0.25)
+    assert read(normal) == 0.25
+    with torch.inference_mode():
+        scale = torch.tensor([2.0])
+        assert read(scale) == 2.0
+        scale.fill_(3.0)  # no version counter moves
+        assert read(scale) == 3.0
+    assert read(normal) == 0.25

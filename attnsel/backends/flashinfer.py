@@ -167,7 +167,8 @@ def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size:
 
 
 class HostScalar:
-    """The float value of a one-element device tensor, read once per tensor and version (a host sync only then)."""
+    """The float value of a one-element device tensor, read once per tensor and version (a host sync only then); a
+    tensor made under torch.inference_mode() has no version counter and is read on every call."""
 
     def __init__(self):
         self._tensor: torch.Tensor | None = None  # kept alive, so identity cannot be reused by another tensor
@@ -175,9 +176,14 @@ class HostScalar:
         self._value = 0.0
 
     def __call__(self, t: torch.Tensor) -> float:
-        if t is not self._tensor or t._version != self._version:
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: no version counter, a change cannot be seen
+            self._tensor = None
+            return float(t.reshape(-1)[0].item())
+        if t is not self._tensor or version != self._version:
             self._value = float(t.reshape(-1)[0].item())
-            self._tensor, self._version = t, t._version
+            self._tensor, self._version = t, version
         return self._value
 
 
