@@ -345,27 +345,35 @@ class OnePlanTorch:
 ONE_PLAN = OnePlanTorch()
 
 
+def _window_step(window, seed=11):
+    """A decode step's inputs shared by a global and a sliding layer, and each layer kind's float32 reference."""
+    hq, hk, d, ps = 4, 2, 16, 4
+    lens = [3, 9, 13]
+    kc, vc, table, ks, vs = paged(lens, hk, d, ps, torch.float32, seed=seed, garbage=1e4)
+    q = torch.randn(len(lens), 1, hq, d, generator=torch.Generator().manual_seed(seed)).to(DEV)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    refs = {w: reference(q[:, 0].cpu(), torch.cat(ks), torch.cat(vs), [1] * len(lens), lens, d ** -0.5, window=w)
+            for w in (None, window)}
+    call = lambda w: attnsel.flash_attn_with_kvcache(  # noqa: E731
+        q, kc, vc, cache_seqlens=seqlens, page_table=table, causal=True, window_size=(w - 1, 0) if w else (-1, -1))
+    return call, refs
+
+
 def test_a_plan_replaced_by_another_layer_kind_is_made_again(monkeypatch):
     """Sliding and global layers alternate over the same metadata tensors on a backend that keeps one plan per phase
-    (a plugin; FlashInfer was one before its run functions got their own wrappers): each layer kind has its own cached plan, and the global layers' plan went stale when the sliding
-    layers planned. It must be planned again, not called (a RuntimeError, as on the first H200 run of
+    (a plugin; FlashInfer was one before its run functions got their own wrappers): each layer kind has its own
+    cached plan, and the global layers' plan went stale when the sliding layers planned. It must be planned again, not called (a RuntimeError, as on the first H200 run of
     scripts/gpu_flash_api.py on 2026-12-03, where a direct plan came between two calls)."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_flash_api:ONE_PLAN")
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "one_plan")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "one_plan")
     flash_api.configure(policy="priority")
-    hq, hk, d, ps, window = 4, 2, 16, 4, 5
-    lens = [3, 9, 13]
-    kc, vc, table, ks, vs = paged(lens, hk, d, ps, torch.float32, seed=5, garbage=1e4)
-    q = torch.randn(len(lens), 1, hq, d, generator=torch.Generator().manual_seed(5)).to(DEV)
-    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    refs = {w: reference(q[:, 0].cpu(), torch.cat(ks), torch.cat(vs), [1] * len(lens), lens, d ** -0.5, window=w)
-            for w in (None, window)}
+    window = 5
+    call, refs = _window_step(window, seed=5)
     for w in (None, window, None, window, window, None):  # one step's layers: global, sliding, global, ...
-        out = attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, causal=True,
-                                              window_size=(w - 1, 0) if w else (-1, -1))
-        assert (out[:, 0].cpu() - refs[w]).abs().max().item() < 1e-5
+        assert (call(w)[:, 0].cpu() - refs[w]).abs().max().item() < 1e-5
     lq = [3, 5]
+    hq, hk, d = 4, 2, 16
     qp, k, v, cu_q, cu_k = ragged(lq, lq, hq, hk, d, torch.float32, seed=7)
     refs = {w: reference(qp.cpu(), k.cpu(), v.cpu(), lq, lq, d ** -0.5, window=w) for w in (None, 2)}
     for w in (None, 2, None):
@@ -395,18 +403,21 @@ def test_plans_made_during_capture_outlive_the_plan_cache(monkeypatch):
     assert captured() is not None and len(flash_api._captured) == 2
 
 
-def _window_step(window):
-    """A decode step's inputs shared by a global and a sliding layer, and each layer kind's float32 reference."""
-    hq, hk, d, ps = 4, 2, 16, 4
-    lens = [3, 9, 13]
-    kc, vc, table, ks, vs = paged(lens, hk, d, ps, torch.float32, seed=11, garbage=1e4)
-    q = torch.randn(len(lens), 1, hq, d, generator=torch.Generator().manual_seed(11)).to(DEV)
-    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    refs = {w: reference(q[:, 0].cpu(), torch.cat(ks), torch.cat(vs), [1] * len(lens), lens, d ** -0.5, window=w)
-            for w in (None, window)}
-    call = lambda w: attnsel.flash_attn_with_kvcache(  # noqa: E731
-        q, kc, vc, cache_seqlens=seqlens, page_table=table, causal=True, window_size=(w - 1, 0) if w else (-1, -1))
-    return call, refs
+def _after_first_plan(monkeypatch, method: str, action) -> list:
+    """Make Selection.<method> run ``action`` once, after its first plan and before the call stores it (what another
+    thread could do in between); returns a list that gets an entry when it ran."""
+    real = getattr(attnsel.Selection, method)
+    done = []
+
+    def plan_then_act(self, *args, **kwargs):
+        run = real(self, *args, **kwargs)
+        if not done:
+            done.append(True)
+            action()
+        return run
+
+    monkeypatch.setattr(attnsel.Selection, method, plan_then_act)
+    return done
 
 
 def test_first_calls_racing_in_two_threads_give_no_slot_to_another_spec(monkeypatch):
@@ -437,19 +448,9 @@ def test_a_reset_during_planning_gives_no_slot_to_another_spec(monkeypatch):
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     call, refs = _window_step(5)
-    real = attnsel.Selection.plan_decode
-    resets = []
-
-    def plan_then_reset(self, *args, **kwargs):
-        run = real(self, *args, **kwargs)
-        if not resets:
-            resets.append(True)
-            flash_api.reset()  # as another thread would, between planning and storing the plan
-        return run
-
-    monkeypatch.setattr(attnsel.Selection, "plan_decode", plan_then_reset)
+    done = _after_first_plan(monkeypatch, "plan_decode", flash_api.reset)  # as another thread would
     call(None)
-    assert resets
+    assert done
     for w in (5, None, 5):
         assert (call(w)[:, 0].cpu() - refs[w]).abs().max().item() < 1e-5, w
 
@@ -493,17 +494,11 @@ def test_a_write_to_the_metadata_during_planning_is_seen(monkeypatch):
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     q, k, v, cu_q, cu_k = ragged([4, 4], [4, 4], 2, 2, 8, torch.float32, seed=2)
-    real = attnsel.Selection.plan_prefill
-    done = []
 
-    def plan_then_write(self, *args, **kwargs):
-        run = real(self, *args, **kwargs)
-        if not done:
-            done.append(True)
-            cu_q[1], cu_k[1] = 2, 2  # after the plan read the metadata, before the call stored the plan
-        return run
+    def write():
+        cu_q[1], cu_k[1] = 2, 2
 
-    monkeypatch.setattr(attnsel.Selection, "plan_prefill", plan_then_write)
+    _after_first_plan(monkeypatch, "plan_prefill", write)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
     out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
     ref = reference(q.cpu(), k.cpu(), v.cpu(), [2, 6], [2, 6], 8 ** -0.5)
