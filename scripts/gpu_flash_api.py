@@ -88,8 +88,12 @@ def decode_case(batch: int, ctx: int, hq=32, hk=8, d=128, ps=16, append=False) -
     q2 = q[:, 0]
     direct = lambda: run(q2, kc, vc)  # noqa: E731
     backend = sel.decode_backend_for(batch, pages * ps)  # the call's plan: context bound by the table's width
-    return {"phase": "decode", "batch": batch, "ctx": ctx, "append": append, "backend": backend,
-            **measure(direct, call)}
+    row = {"phase": "decode", "batch": batch, "ctx": ctx, "append": append, "backend": backend,
+           **measure(direct, call)}
+    # the same run with the call's two views made in place: how much of the overhead they are on CUDA tensors
+    views = paired(direct, lambda: run(q.squeeze(1), kc, vc).unsqueeze(1))
+    row["views_overhead_us"] = views["overhead_us"]
+    return row
 
 
 def prefill_case(lens: list[int], hq=32, hk=8, d=128) -> dict:
