@@ -117,8 +117,10 @@ FEATURE_SPECS = {
                                      kv_dtype="fp8_e4m3"),
 }
 # FlashInfer JIT-builds one module per feature combination and template (a minute or two each): by default only
-# `flashinfer` on three feature specs; ATTNSEL_GPU_FLASHINFER_FEATURES=all runs every variant on every feature spec.
-FLASHINFER_DEFAULT = {("flashinfer", "window256"), ("flashinfer", "fp8kv"), ("flashinfer", "gptoss-like")}
+# `flashinfer` on four feature specs (scripts/gpu-round6 f runs them in parallel processes);
+# ATTNSEL_GPU_FLASHINFER_FEATURES=all runs every variant on every feature spec.
+FLASHINFER_DEFAULT = {("flashinfer", "window256"), ("flashinfer", "softcap30"), ("flashinfer", "fp8kv"),
+                      ("flashinfer", "gptoss-like")}
 PREFILL_LQ, PREFILL_LK = [1, 13, 97, 1031, 61], [1, 13, 97, 1031, 263]
 DECODE_LENS = [0, 1, 17, 1531, 45, 300, 0]  # zero-length rows: CUDA-graph padding
 
