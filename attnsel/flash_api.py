@@ -130,11 +130,10 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size:
            q.device)
     found = _specs.get(key)
     if found is None:
-        head_dim = q.shape[-1]
+        head_dim = qs[-1]
         scale = None
         if softmax_scale is not None and (not math.isfinite(softmax_scale) or softmax_scale <= 0):
-            raise ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a positive finite Python float, got "
-                             f"{_show(softmax_scale)}")
+            raise _scale_error(softmax_scale)
         if softmax_scale is not None and not math.isclose(softmax_scale, head_dim ** -0.5, rel_tol=1e-6):
             scale = float(softmax_scale)
         kv_name = None
@@ -209,8 +208,12 @@ def _scale_value(softmax_scale):
         return softmax_scale
     if isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool):
         return float(softmax_scale)
-    raise ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a positive finite Python float, got "
-                     f"{_show(softmax_scale)}")
+    raise _scale_error(softmax_scale)
+
+
+def _scale_error(softmax_scale) -> ValueError:
+    return ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a positive finite Python float, got "
+                      f"{_show(softmax_scale)}")
 
 
 def _sinks_kwargs(func: str, sinks: torch.Tensor | None, heads: int) -> dict:
