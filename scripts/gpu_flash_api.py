@@ -6,7 +6,9 @@ directly, and (b) the FA3-compatible call
 (spec inference, selection lookup, plan cache hit, argument checks, then the same run). Host time = wall time of a
 burst of launches without synchronisation (bursts short enough not to fill the launch queue); bursts of (a) and (b)
 alternate and the overhead is the median of the pairs' differences (b) - (a); target within 5 us. The wall time of
-the same bursts with a sync is reported beside it.
+the same bursts with a sync is reported beside it. Where the overhead goes, per decode case: the same pairing with
+only the call's two views added to the direct run (views_overhead_us) and with the CUDA capture query stubbed out
+(no_capture_query_overhead_us); and body_us, the call with its run replaced by a no-op in a tight loop.
 """
 from __future__ import annotations
 
@@ -93,7 +95,30 @@ def decode_case(batch: int, ctx: int, hq=32, hk=8, d=128, ps=16, append=False) -
     # the same run with the call's two views made in place: how much of the overhead they are on CUDA tensors
     views = paired(direct, lambda: run(q.squeeze(1), kc, vc).unsqueeze(1))
     row["views_overhead_us"] = views["overhead_us"]
+    # without the CUDA capture query (a driver call): its share of the overhead between real launches
+    capturing, flash_api._capturing = flash_api._capturing, lambda t: False
+    try:
+        row["no_capture_query_overhead_us"] = paired(direct, call)["overhead_us"]
+    finally:
+        flash_api._capturing = capturing
+    row["body_us"] = body_us("decode", call, q2, kc, vc)
     return row
+
+
+def body_us(phase: str, call, q2, kc, vc) -> dict:
+    """The call's own host time on this host's CPU with CUDA tensors: the stored plan's run replaced by a no-op, in a
+    tight loop (warm caches) against the no-op alone; the rest of a measured overhead is the body's cost between real
+    launches (cold caches)."""
+    slot = next(s for s in flash_api._plans if s[0] == phase)
+    entry = flash_api._plans[slot]
+    out = q2.clone()
+    noop = lambda q, k, v, **kwargs: out  # noqa: E731
+    flash_api._plans[slot] = entry[:-1] + (((entry[-1][0], noop) if phase == "decode" else noop),)
+    try:
+        api, alone = loop_us(call, 5000), loop_us(lambda: noop(q2, kc, vc), 5000)
+    finally:
+        flash_api._plans[slot] = entry
+    return {"api_noop_us": api, "noop_us": alone, "body_us": round(api - alone, 3)}
 
 
 def prefill_case(lens: list[int], hq=32, hk=8, d=128) -> dict:
@@ -110,7 +135,8 @@ def prefill_case(lens: list[int], hq=32, hk=8, d=128) -> dict:
     run = _last_plan("prefill")  # the very run function the call reuses
     direct = lambda: run(q, k, v)  # noqa: E731
     backend = sel.prefill_backend_for(len(lens), total, max(lens))
-    return {"phase": "prefill", "lens": lens, "backend": backend, **measure(direct, call)}
+    return {"phase": "prefill", "lens": lens, "backend": backend, **measure(direct, call),
+            "body_us": body_us("prefill", call, q, k, v)}
 
 
 def loop_us(fn, n: int = 2000) -> float:
