@@ -8,7 +8,9 @@ burst of launches without synchronisation (bursts short enough not to fill the l
 alternate and the overhead is the median of the pairs' differences (b) - (a); target within 5 us. The wall time of
 the same bursts with a sync is reported beside it. Where the overhead goes, per decode case: the same pairing with
 only the call's two views added to the direct run (views_overhead_us) and with the CUDA capture query stubbed out
-(no_capture_query_overhead_us); and body_us, the call with its run replaced by a no-op in a tight loop.
+(no_capture_query_overhead_us); and body_us, the call with its run replaced by a no-op in a tight loop. Where FA3
+serves the case: vs_fa3_public, the same pairing against flash_attn_interface's own function of the same name (what
+code written for FlashAttention calls today; its overhead_us < 0 means attnsel's call costs less host time).
 """
 from __future__ import annotations
 
@@ -102,6 +104,11 @@ def decode_case(batch: int, ctx: int, hq=32, hk=8, d=128, ps=16, append=False) -
     finally:
         flash_api._capturing = capturing
     row["body_us"] = body_us("decode", call, q2, kc, vc)
+    if backend == "fa3" and not append:  # the function code written for FlashAttention calls today
+        import flash_attn_interface
+        public = lambda: flash_attn_interface.flash_attn_with_kvcache(  # noqa: E731
+            q, kc, vc, cache_seqlens=seqlens, page_table=table, causal=True)
+        row["vs_fa3_public"] = paired(public, call)
     return row
 
 
@@ -135,8 +142,14 @@ def prefill_case(lens: list[int], hq=32, hk=8, d=128) -> dict:
     run = _last_plan("prefill")  # the very run function the call reuses
     direct = lambda: run(q, k, v)  # noqa: E731
     backend = sel.prefill_backend_for(len(lens), total, max(lens))
-    return {"phase": "prefill", "lens": lens, "backend": backend, **measure(direct, call),
-            "body_us": body_us("prefill", call, q, k, v)}
+    row = {"phase": "prefill", "lens": lens, "backend": backend, **measure(direct, call),
+           "body_us": body_us("prefill", call, q, k, v)}
+    if backend == "fa3":  # the function code written for FlashAttention calls today
+        import flash_attn_interface
+        public = lambda: flash_attn_interface.flash_attn_varlen_func(  # noqa: E731
+            q, k, v, cu, cu, max(lens), max(lens), causal=True)
+        row["vs_fa3_public"] = paired(public, call)
+    return row
 
 
 def loop_us(fn, n: int = 2000) -> float:
