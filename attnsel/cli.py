@@ -302,9 +302,14 @@ def report_table(sel: Selection, width: int = 80) -> Group:
     else:
         for phase, rows in rows_by_phase.items():
             parts.append(table(rows, f"{phase} candidates", False))
+            reasons = Table.grid(padding=(0, 1))  # name | reason: a reason wraps under itself, never under the name
+            reasons.add_column(no_wrap=True)
+            reasons.add_column(overflow="fold")
             for r in rows:
                 if r[-1]:
-                    parts.append(Text(f"  {r[0]}: {r[-1]}", overflow="fold"))  # wraps at the width, never cut
+                    reasons.add_row(f"  {r[0]}:", Text(r[-1]))
+            if reasons.row_count:
+                parts.append(reasons)
     return Group(*parts)
 
 
@@ -448,15 +453,24 @@ def cmd_cache(args: argparse.Namespace, out: Console) -> int:
     else:
         entries = cache.entries()
         table = Table(title=f"{cache.path}: {len(entries)} entries")
-        for col in ("backend", "phase", "status", "device", "spec", "timed modes"):
+        for col in ("key", "backend", "phase", "status", "device", "spec", "timed modes"):
             table.add_column(col, overflow="fold")
-        for e in entries.values():
-            spec = e.get("spec", {})
-            table.add_row(e.get("backend", "?"), e.get("phase", "?"), e.get("status", "?"), str(e.get("device")),
-                          f"{spec.get('num_q_heads')}/{spec.get('num_kv_heads')}x{spec.get('head_dim')} "
-                          f"{spec.get('dtype')} p{spec.get('page_size')}", ",".join(e.get("timings", {})))
+        for key, e in sorted(entries.items(), key=lambda ke: (str(ke[1].get("spec")), ke[1].get("backend", ""))):
+            table.add_row(key[:8], e.get("backend", "?"), e.get("phase", "?"), e.get("status", "?"),
+                          str(e.get("device")), _spec_label(e.get("spec", {})), ",".join(e.get("timings", {})))
         out.print(table)
+        out.print("key: the entry's hash of (device fingerprint, spec, backend identity, phase): entries alike but "
+                  "for the key were made under other package versions or attnsel sources; only those matching this "
+                  "machine are used.", highlight=False)
     return 0
+
+
+def _spec_label(spec: dict) -> str:
+    """A cached entry's spec in words (every field, features included); the raw dict where it does not parse."""
+    try:
+        return AttentionSpec.from_dict(spec).describe()
+    except (SpecError, TypeError, ValueError):
+        return str(spec)
 
 
 def cmd_bench(args: argparse.Namespace, out: Console) -> int:

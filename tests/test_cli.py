@@ -129,10 +129,18 @@ def test_console_script_on_a_cpu_machine(tmp_path):
         assert "HBM" not in legend and "Dispatch tables" not in legend
 
 
-def test_cache_commands(capsys):
+def test_cache_commands(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per entry
     run(capsys, "report", *SMALL, "--policy", "priority")
     code, out, _ = run(capsys, "cache", "show")
     assert code == 0 and "4 entries" in " ".join(out.split())
+    assert "4/2 heads, head_dim 64, fp16, page 16" in " ".join(out.split())  # the spec in words
+    run(capsys, "report", *SMALL, "--sliding-window", "8", "--policy", "priority")
+    code, out, _ = run(capsys, "cache", "show")
+    words = " ".join(out.split())  # the windowed spec's entries are told apart from the plain ones
+    assert "8 entries" in words and "sliding window 8" in words
+    run(capsys, "cache", "clear")
+    run(capsys, "report", *SMALL, "--policy", "priority")
     code, out, _ = run(capsys, "cache", "clear")
     assert code == 0 and out.startswith("removed 4 entries")
 

@@ -31,6 +31,18 @@ class Unavailable:
 STACKY = Unavailable()
 
 
+class Wordy(Unavailable):
+    """A plugin whose one-line reason is three lines long at 80 columns."""
+
+    name = "wordy"
+
+    def unsupported(self, spec, phase):
+        return "needs " + ", ".join(f"feature number {i} of the wordy kernel library" for i in range(5))
+
+
+WORDY = Wordy()
+
+
 def run(capsys, monkeypatch, columns, *argv):
     monkeypatch.setenv("COLUMNS", str(columns))
     code = main(list(argv))
@@ -139,6 +151,22 @@ def test_select_prints_the_choice_per_phase(capsys, monkeypatch, injected):
     assert code == 0
     assert out.splitlines() == ["prefill: triton (auto), dispatch over 2 buckets (2 backends)",
                                 "decode: triton (auto), dispatch over 2 buckets (2 backends)"]
+
+
+def test_a_wrapped_reason_continues_under_itself_not_under_the_names(capsys, monkeypatch):
+    """Piped to a file (80 columns), a reason's continuation lines are indented past the backend names, so that each
+    line is seen to belong to its backend."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_report:WORDY")
+    code, out, _ = run(capsys, monkeypatch, 80, "report", *SMALL, "--policy", "priority",
+                       "--prefill-priority", "wordy,torch", "--decode-priority", "torch")
+    assert code == 0
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.lstrip().startswith("wordy:"))
+    start = lines[first].index("needs feature number 0")
+    continued = lines[first + 1:first + 3]
+    assert all(line[:start].strip() == "" and line[start] != " " for line in continued), "\n".join(lines)
+    assert "feature number 4 of the wordy kernel library" in " ".join(
+        line[start:].strip() for line in lines[first:first + 4])
 
 
 def test_dispatch_table_with_long_names_fits_80_columns():
