@@ -2,8 +2,9 @@
 bench's own cells: what a rule change would have chosen, without new device time (a simulation on measured data,
 not a measurement: the bucket timings and the cell timings are those of the bench run).
 
-Usage: python scripts/redispatch.py BENCH.json [TIE ...]   (default ties: 0 0.01 0.02 0.03)
-For every selection in BENCH.json (spec, mode) and tie band: the tables' buckets get pick(times, priority, tie);
+Usage: python scripts/redispatch.py BENCH.json [--headline-first] [TIE ...]   (default ties: 0 0.01 0.02 0.03)
+For every selection in BENCH.json (spec, mode) and tie band: the tables' buckets get pick(times, priority, tie)
+(with --headline-first the phase's headline backend comes first in that order, then the default priority);
 each bench cell of that spec and mode is looked up as `attnsel bench` does, with this checkout's lookup rule
 (DispatchTable.backend_for: since 2026-12-03's fourth session it interpolates between timed shapes); prints
 within-3% counts, geomean and worst time over the cell's fastest, per phase.
@@ -29,7 +30,8 @@ def retabled(table: dict, order: list[str], tie: float) -> DispatchTable:
 
 def main() -> None:
     bench = json.loads(Path(sys.argv[1]).read_text())
-    ties = [float(t) for t in sys.argv[2:]] or [0.0, 0.01, 0.02, 0.03]
+    headline_first = "--headline-first" in sys.argv[2:]
+    ties = [float(t) for t in sys.argv[2:] if t != "--headline-first"] or [0.0, 0.01, 0.02, 0.03]
     for sel in bench["selections"]:
         spec = f"{sel['spec']['num_q_heads']}/{sel['spec']['num_kv_heads']}"
         for phase in ("prefill", "decode"):
@@ -44,7 +46,10 @@ def main() -> None:
                 if c["us"] and c["spec"] == sel["spec"]:
                     cells[(c["phase"], c["mode"], c["shape"])][c["backend"]] = c["us"]
             for tie in ties:
-                t = retabled(table, list(DEFAULT_PRIORITY[phase]), tie)
+                order = list(DEFAULT_PRIORITY[phase])
+                if headline_first:
+                    order = [sel[phase]] + [n for n in order if n != sel[phase]]
+                t = retabled(table, order, tie)
                 ratios = []
                 for r in rows:
                     times = cells[(phase, sel["mode"], r["shape"])]

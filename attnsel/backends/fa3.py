@@ -5,7 +5,8 @@ cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k, max_seqlen_q
 kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale,
 is_causal, window_size_left, window_size_right, attention_chunk, softcap, is_rotary_interleaved,
 scheduler_metadata, num_splits, pack_gqa, sm_margin, sinks): the Python wrappers add a ``torch.library.custom_op``
-layer that costs ~100 us of host time per call (docs/ARCHITECTURE.md), more than a small decode's kernel. Decode
+layer that costs 37-45 us (decode) and 140-145 us (varlen prefill) more host time per call than the raw op on the
+H200 machine (bench/results/2026-12-04-round7), more than a small decode's kernel. Decode
 passes no precomputed scheduling metadata (mutable state shared by every run of a plan); each run prepares its own.
 
 Features: sliding window as ``window_size=(w - 1, 0)``; sinks (the op takes them as bfloat16 ``[num_q_heads]``);
