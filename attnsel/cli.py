@@ -521,12 +521,16 @@ def build_parser() -> argparse.ArgumentParser:
     for p in sub.choices.values():  # -q after the subcommand too (SUPPRESS: absent there keeps the main default)
         p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
                        help="only warnings and errors on stderr")
+    for command_parser in sub.choices.values():
+        command_parser.set_defaults(parser=command_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's own parser, with its usage (the top-level usage lists no command's flags)
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     err = Console(stderr=True)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)

@@ -91,6 +91,16 @@ def test_bad_dtype_is_refused_by_argparse(capsys):
     assert "argument --dtype: invalid choice: fp8 (choose from bf16, fp16, fp32)" in err
 
 
+def test_a_flag_the_command_does_not_take_is_named_with_that_commands_usage(capsys):
+    """`select --json` (report's flag): exit 2, the command's own usage (its flags), not the top-level one."""
+    with pytest.raises(SystemExit) as exc:
+        main(["select", *SMALL, "--json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: attnsel select") and "--prefill-priority" in err
+    assert "attnsel select: error: unrecognized arguments: --json" in err
+
+
 def test_explicit_unavailable_backend_exits_3(capsys):
     code, out, err = run(capsys, "report", *SMALL, "--llm_prefill_att_backend", "fa3")
     assert code == 3
