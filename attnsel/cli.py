@@ -521,8 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     for p in sub.choices.values():  # -q after the subcommand too (SUPPRESS: absent there keeps the main default)
         p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
                        help="only warnings and errors on stderr")
-    for command_parser in sub.choices.values():
-        command_parser.set_defaults(parser=command_parser)
+        p.set_defaults(parser=p)  # main() names a flag the command does not take with this parser's usage
     return parser
 
 
