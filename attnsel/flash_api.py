@@ -18,15 +18,18 @@ once); allocate them outside inference mode to share a plan across layers.
 
 CUDA graphs: the first call of a spec selects (outside capture). During capture every call plans afresh (a plan made
 outside the capture would replay stale device metadata) and plans get host bounds instead of device values
-(``page_table.shape[1] * page_size`` for the longest context, ``q.shape[0]`` for the tokens) when the installed
-``Selection`` accepts them; the backend's plan itself must not sync (the torch backend's does: it is a CPU fallback).
+(``page_table.shape[1] * page_size`` for the longest context, ``q.shape[0]`` for the tokens); the backend's plan
+itself must not sync (the torch backend's does: it is a CPU fallback).
 Plans made during capture are kept for the life of the process: a graph replays its plan's buffers (e.g. the Triton
 decode's split buffers), so they must outlive every graph (one plan per captured call: layers x graphs). FlashInfer's
 plan syncs with the host, so a FlashInfer selection cannot be captured here.
+
+Decode plans take q in FA3's ``[batch, 1, H, D]`` (``Selection.plan_decode(q_layout="b1hd")``): FA3 and Triton runs
+take that layout as it comes; other backends get q viewed as ``[batch, H, D]`` and out viewed back (two views, 2-4 us
+of host time on the H200's host).
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import math
@@ -55,9 +58,6 @@ _plans: dict = {}
 _numbers = itertools.count()  # names specs in _plans' slots; never restarts (a reset racing a call cannot reuse one)
 _no_versions_logged: list = []
 _captured: list = []  # plans made during CUDA-graph capture: kept for good (configure() does not drop them)
-# Host-size hints of Selection.plan_* (issue 10): passed only where this version of Selection accepts them.
-_PREFILL_HINTS = {"total_q", "total_k"} & set(inspect.signature(Selection.plan_prefill).parameters)
-_DECODE_HINTS = {"max_seq_len"} & set(inspect.signature(Selection.plan_decode).parameters)
 
 
 def configure(prefill: str | None = None, decode: str | None = None, **select_options) -> None:
@@ -120,17 +120,23 @@ def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int
     return window, (float(softcap) if softcap > 0 else None)
 
 
-def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size: int, softmax_scale, causal: bool,
-             window: int | None, softcap: float | None, sinks: bool) -> tuple[AttentionSpec, Selection, int]:
+def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Size, ks: torch.Size, page_size: int,
+             softmax_scale, causal: bool, window: int | None, softcap: float | None, sinks: bool
+             ) -> tuple[AttentionSpec, Selection, int]:
     """The AttentionSpec of the call, its Selection and an int naming it in the plan cache (unique for the process),
-    memoised on the cheap facts they are made from (hashing a spec per call would cost a microsecond)."""
+    memoised on the cheap facts they are made from (hashing a spec per call would cost a microsecond). qs, ks: q's
+    and k's shapes (read once per call). k and v (or the caches) must be on q's device: checked when a key is new
+    (the devices are part of it)."""
     softmax_scale = _scale_value(softmax_scale)
-    qs, ks = q.shape, k.shape
+    kv_dtype = k.dtype
     key = (q.dtype, kv_dtype, qs[-2], ks[-2], qs[-1], ks[-1], page_size, softmax_scale, causal, window, softcap, sinks,
-           q.device)
+           q.device, k.device, v.device)
     found = _specs.get(key)
     if found is None:
         head_dim = qs[-1]
+        if key[-2] != key[-3] or key[-1] != key[-3]:
+            raise ValueError(f"k/k_cache and v/v_cache must be on q's device {q.device}, got {k.device} and "
+                             f"{v.device}")
         scale = None
         if softmax_scale is not None and (not math.isfinite(softmax_scale) or softmax_scale <= 0):
             raise _scale_error(softmax_scale)
@@ -142,14 +148,23 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, kv_dtype: torch.dtype, page_size:
                 raise SpecError(f"the KV cache's dtype {kv_dtype} differs from q's {q.dtype}; allowed: the same "
                                 "dtype, or torch.float8_e4m3fn with k_descale/v_descale")
             kv_name = "fp8_e4m3"
-        if k.shape[-1] != head_dim:
-            raise SpecError(f"q has head_dim {head_dim} but k has {k.shape[-1]} (they must be equal)")
-        spec = AttentionSpec(num_q_heads=q.shape[-2], num_kv_heads=k.shape[-2], head_dim=head_dim,
+        if ks[-1] != head_dim:
+            raise SpecError(f"q has head_dim {head_dim} but k has {ks[-1]} (they must be equal)")
+        spec = AttentionSpec(num_q_heads=qs[-2], num_kv_heads=ks[-2], head_dim=head_dim,
                              dtype=dtype_name(q.dtype), page_size=page_size, causal=causal, softmax_scale=scale,
                              sliding_window=window, softcap=softcap, sinks=sinks, kv_dtype=kv_name)
         # setdefault: of two threads making the first call of a key at once, both use the first one's entry
         found = _specs.setdefault(key, (spec, selection_for(spec, q.device), next(_numbers)))
     return found
+
+
+def _unit_stride(func: str, **tensors: torch.Tensor) -> None:
+    """Every tensor's last dimension is contiguous (the kernels index it with stride 1): ValueError naming the first
+    that is not. Called when one of them is not contiguous (the cheap common case is checked inline)."""
+    for arg, t in tensors.items():
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"attnsel.{func}: {arg}'s last dimension must be contiguous (stride 1), got strides "
+                             f"{tuple(t.stride())}; pass {arg}.contiguous()")
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -248,28 +263,35 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
         raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be int32, got "
                          f"{cu_seqlens_q.dtype}/{cu_seqlens_k.dtype}")
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+    qs, ks = q.shape, k.shape
+    if len(qs) != 3 or len(ks) != 3 or v.shape != ks:
         raise ValueError(f"attnsel.flash_attn_varlen_func: q must be [total_q, heads, head_dim] and k, v "
-                         f"[total_k, kv_heads, head_dim] alike; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"[total_k, kv_heads, head_dim] alike; got q {tuple(qs)}, k {tuple(ks)}, "
                          f"v {tuple(v.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"attnsel.flash_attn_varlen_func: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        _unit_stride("flash_attn_varlen_func", q=q, k=k, v=v)
     window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(
         "flash_attn_varlen_func", causal, window_size, softcap)
-    spec, sel, number = _resolve(q, k, k.dtype, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window, cap,
+    # the spec's checks, and k/v on q's device; the run is the backend's own (checked=False): these checks are its
+    spec, sel, number = _resolve(q, k, v, qs, ks, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window, cap,
                                  sinks is not None)
-    host = (int(max_seqlen_q), int(max_seqlen_k), q.shape[0], k.shape[0])
+    host = (int(max_seqlen_q), int(max_seqlen_k), qs[0], ks[0])
     slot, capturing = ("prefill", number), _capturing(q)
     run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
     if run is None:
-        hints = {n: x for n, x in (("total_q", host[2]), ("total_k", host[3])) if n in _PREFILL_HINTS}
+        if cu_seqlens_q.device != q.device or cu_seqlens_k.device != q.device:
+            raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be on q's device "
+                             f"{q.device}, got {cu_seqlens_q.device}/{cu_seqlens_k.device}")
         versions = _versions(cu_seqlens_q, cu_seqlens_k)
         run = _store_plan(slot, cu_seqlens_q, cu_seqlens_k, versions, host, capturing,
-                          sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], **hints))
+                          sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], total_q=host[2],
+                                           total_k=host[3], checked=False))
     if sinks is None:
         return run(q, k, v)
-    return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, q.shape[1]))
+    return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, qs[1]))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -310,19 +332,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                   "head_dim] and an int32 page_table [batch, max_pages]")
     if cache_seqlens is None:
         raise ValueError(f"attnsel.{func}: cache_seqlens is required (tokens already in each sequence's cache)")
-    if q.dim() != 4 or q.shape[1] != 1:
+    qs, ks, ts = q.shape, k_cache.shape, page_table.shape  # each read once: a shape costs ~0.2 us
+    if len(qs) != 4 or qs[1] != 1:
         raise UnsupportedArgument(f"attnsel.{func}: q must be [batch, 1, heads, head_dim] (one query token per "
-                                  f"sequence), got {tuple(q.shape)}; use flash_attn_varlen_func for more")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+                                  f"sequence), got {tuple(qs)}; use flash_attn_varlen_func for more")
+    if len(ks) != 4 or v_cache.shape != ks or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"attnsel.{func}: k_cache and v_cache must both be [num_pages, page_size, kv_heads, "
-                         f"head_dim] of one dtype, got {tuple(k_cache.shape)} {k_cache.dtype} and "
+                         f"head_dim] of one dtype, got {tuple(ks)} {k_cache.dtype} and "
                          f"{tuple(v_cache.shape)} {v_cache.dtype}")
-    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != q.shape[0]:
-        raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {q.shape[0]}, got "
-                         f"{page_table.dtype} {tuple(page_table.shape)}")
+    if page_table.dtype != torch.int32 or len(ts) != 2 or ts[0] != qs[0]:
+        raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {qs[0]}, got "
+                         f"{page_table.dtype} {tuple(ts)}")
     if (k is None) != (v is None):
         raise ValueError(f"attnsel.{func}: give both k and v (new tokens) or neither")
-    batch, page_size = q.shape[0], k_cache.shape[1]
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        _unit_stride(func, q=q, k_cache=k_cache, v_cache=v_cache)
+    batch, page_size = qs[0], ks[1]
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
     elif cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
@@ -341,32 +366,37 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         _unsupported(func, {n: x for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None})
     if k is not None and (k.dtype != k_cache.dtype or v.dtype != k_cache.dtype):
         raise ValueError(f"attnsel.{func}: k/v ({k.dtype}/{v.dtype}) must have the cache's dtype {k_cache.dtype}")
-    if k is not None and (k.shape != (batch, 1, k_cache.shape[2], k_cache.shape[3]) or v.shape != k.shape):
+    if k is not None and (k.shape != (batch, 1, ks[2], ks[3]) or v.shape != k.shape):
         raise UnsupportedArgument(f"attnsel.{func}: k and v must be [batch, 1, kv_heads, head_dim] = "
-                                  f"[{batch}, 1, {k_cache.shape[2]}, {k_cache.shape[3]}] (one new token per "
+                                  f"[{batch}, 1, {ks[2]}, {ks[3]}] (one new token per "
                                   f"sequence), got {tuple(k.shape)} and {tuple(v.shape)}")
-    extra = _sinks_kwargs(func, sinks, q.shape[2]) if sinks is not None else {}  # checked before the cache is written
+    extra = _sinks_kwargs(func, sinks, qs[2]) if sinks is not None else {}  # checked before the cache is written
     window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(func, causal,
                                                                                               window_size, softcap)
     # One query token: causal or not is the same attention; the spec says causal so that one selection serves both.
-    spec, sel, number = _resolve(q, k_cache, k_cache.dtype, page_size, softmax_scale, True, window, cap,
+    # The spec's checks, and the caches on q's device; the run is the backend's own (checked=False): these checks
+    # are its.
+    spec, sel, number = _resolve(q, k_cache, v_cache, qs, ks, page_size, softmax_scale, True, window, cap,
                                  sinks is not None)
     append = k is not None
-    host = (append, page_table.shape[1])
+    host = (append, ts[1])
     slot, capturing = ("decode", number), _capturing(q)
     plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
     if plan is None:
+        if page_table.device != q.device or cache_seqlens.device != q.device:
+            raise ValueError(f"attnsel.{func}: page_table and cache_seqlens must be on q's device {q.device}, got "
+                             f"{page_table.device} and {cache_seqlens.device}")
         versions = _versions(cache_seqlens, page_table)
         plan = _store_plan(slot, cache_seqlens, page_table, versions, host, capturing,
                            _plan_decode(sel, page_table, cache_seqlens, page_size, append))
     slots, run = plan
     if append:
-        kvh, d = k_cache.shape[2:]
+        kvh, d = ks[2], ks[3]
         k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
         v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
-    if sinks is None and not scales:
-        return run(q.squeeze(1), k_cache, v_cache).unsqueeze(1)
-    return run(q.squeeze(1), k_cache, v_cache, **extra, **scales).unsqueeze(1)
+    if sinks is None and not scales:  # q stays [batch, 1, H, D]: the plan's layout is "b1hd"
+        return run(q, k_cache, v_cache)
+    return run(q, k_cache, v_cache, **extra, **scales)
 
 
 def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int,
@@ -380,5 +410,6 @@ def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.
         lens = cache_seqlens + 1
     else:
         slots, lens = None, cache_seqlens
-    hints = {"max_seq_len": page_table.shape[1] * page_size} if _DECODE_HINTS else {}
-    return slots, sel.plan_decode(page_table, lens, **hints)
+    # q and out in FA3's [batch, 1, H, D]: FA3 and Triton take it as it is, other backends get views
+    return slots, sel.plan_decode(page_table, lens, max_seq_len=page_table.shape[1] * page_size, q_layout="b1hd",
+                                  checked=False)

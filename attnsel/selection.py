@@ -453,20 +453,31 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
     return checked
 
 
-def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> RunFn:
-    """run(q, k_cache, v_cache, **features) with the tensors checked against the spec and plan (no sync)."""
+def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1hd: bool = False,
+                   native: bool = False) -> RunFn:
+    """run(q, k_cache, v_cache, **features) with the tensors checked against the spec and plan (no sync). With
+    ``b1hd`` q and out are ``[batch, 1, heads, head_dim]``: passed as they are when the backend's run takes that
+    layout (``native``), else viewed as ``[batch, heads, head_dim]`` around the run."""
     hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
     dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
     plain = not (spec.sinks or spec.kv_dtype)
+    q_shape = (batch, 1, hq, d) if b1hd else (batch, hq, d)
+    if b1hd and not native:
+        run = viewed_b1hd(run)
 
     def checked(q, k_cache, v_cache, **kwargs):
         try:
             try:
-                b, q1, q2 = q.shape
+                if b1hd:
+                    b, one, q1, q2 = q.shape
+                    if one != 1:
+                        b = -1
+                else:
+                    b, q1, q2 = q.shape
             except (AttributeError, ValueError):
                 b = -1
             if b != batch or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device:
-                raise _expect("q", q, (batch, hq, d), dt, device)
+                raise _expect("q", q, q_shape, dt, device)
             try:
                 kn, p, k1, k2 = k_cache.shape
             except (AttributeError, ValueError):
@@ -484,7 +495,7 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
                     and (q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1)):
                 _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
         except AttributeError:  # an object with a shape but not a tensor's other attributes
-            _raise_first_non_tensor(device, q=(q, (batch, hq, d), dt), k_cache=(k_cache, (None, ps, hk, d), kdt),
+            _raise_first_non_tensor(device, q=(q, q_shape, dt), k_cache=(k_cache, (None, ps, hk, d), kdt),
                                     v_cache=(v_cache, (None, ps, hk, d), kdt))
             raise
         if kwargs or not plain:
@@ -493,6 +504,15 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int) -> 
 
     _keep_current(checked, run)
     return checked
+
+
+def viewed_b1hd(run: RunFn) -> RunFn:
+    """A [batch, heads, head_dim] decode run taking and returning FlashAttention's [batch, 1, heads, head_dim]."""
+    def viewed(q, k_cache, v_cache, **kwargs):
+        return run(q.squeeze(1), k_cache, v_cache, **kwargs).unsqueeze(1)
+
+    _keep_current(viewed, run)
+    return viewed
 
 
 def _keep_current(checked: RunFn, run: RunFn) -> None:
@@ -571,22 +591,27 @@ class Selection:
         return table.backend_for((batch,) if len(table.axes) == 1 else (batch, context))
 
     def plan_prefill(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, total_q: int | None = None, *, total_k: int | None = None) -> RunFn:
+                     max_seqlen_k: int, total_q: int | None = None, *, total_k: int | None = None,
+                     checked: bool = True) -> RunFn:
         """Plan a ragged prefill batch on the backend its shape dispatches to; returns ``run(q, k, v)`` (shapes:
         backends.Backend). No device sync: the bucket comes from host ints: the number of sequences
         (``cu_seqlens_q.shape[0] - 1``), ``total_q`` (query tokens in the batch) and ``max_seqlen_q``. When
         ``total_q`` is None it is taken as ``num_seqs * max_seqlen_q``: exact for equal lengths, an overestimate for
         ragged batches (pass it). The run function checks q/k/v against the spec, q's token count against
         ``total_q`` and k's against ``total_k`` when given, and raises ValueError naming the argument. Keep the run
-        function alive as long as any CUDA graph that captured it may be replayed (it owns the plan's buffers)."""
+        function alive as long as any CUDA graph that captured it may be replayed (it owns the plan's buffers).
+        ``checked=False`` returns the backend's run function itself, for a caller that checks q/k/v against the spec
+        on every call on its own (the FA-compatible functions do): a wrong tensor then reaches the kernel."""
         check_prefill_metadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         n = cu_seqlens_q.shape[0] - 1
         name = self.prefill_backend_for(n, total_q if total_q is not None else n * max_seqlen_q, max_seqlen_q)
         run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if not checked:
+            return run
         return checked_prefill(run, self.spec, cu_seqlens_q.get_device(), total_q, total_k)
 
     def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None,
-                    context_tokens: int | None = None) -> RunFn:
+                    context_tokens: int | None = None, *, q_layout: str = "bhd", checked: bool = True) -> RunFn:
         """Plan a paged decode batch on the backend its shape dispatches to; returns ``run(q, k_cache, v_cache)``
         (shapes: backends.Backend). No device sync: the bucket is (batch = ``seq_lens.shape[0]``, context) from
         host ints: context is the batch's mean context ceil(``context_tokens`` / batch) when ``context_tokens`` (the
@@ -597,7 +622,14 @@ class Selection:
         overestimate when the table is wider than needed: pass one of them). In mode "graph" only the batch size
         matters. The run function checks q and the caches against the spec and raises ValueError naming the
         argument. It owns the plan's device buffers: keep it alive as long as any CUDA graph that captured it may
-        be replayed (a graph holds device pointers only; a freed plan's memory goes to the next allocation)."""
+        be replayed (a graph holds device pointers only; a freed plan's memory goes to the next allocation).
+        ``q_layout="b1hd"``: the run takes q and returns out as FlashAttention's ``[batch, 1, heads, head_dim]``
+        (no views where the backend takes that layout itself: FA3, Triton). ``checked=False``: no checks of q and
+        the caches per call, for a caller that makes them itself (the FA-compatible functions): the backend's run
+        function itself, or in "b1hd" for a backend without that layout, the run between two views."""
+        if q_layout not in ("bhd", "b1hd"):
+            raise ValueError(f"q_layout: expected 'bhd' ([batch, heads, head_dim]) or 'b1hd' ([batch, 1, heads, "
+                             f"head_dim]), got {q_layout!r}")
         check_decode_metadata(page_table, seq_lens, max_seq_len)
         batch = seq_lens.shape[0]
         if context_tokens is not None:
@@ -610,8 +642,13 @@ class Selection:
         else:
             ctx = page_table.shape[1] * self.spec.page_size
         name = self.decode_backend_for(batch, ctx)
-        run = backends.get(name).plan_decode(self.spec, page_table, seq_lens)
-        return checked_decode(run, self.spec, seq_lens.get_device(), batch)
+        backend = backends.get(name)
+        run = backend.plan_decode(self.spec, page_table, seq_lens)
+        b1hd = q_layout == "b1hd"
+        native = b1hd and backends.decode_takes_b1hd(backend)
+        if not checked:
+            return viewed_b1hd(run) if b1hd and not native else run
+        return checked_decode(run, self.spec, seq_lens.get_device(), batch, b1hd, native)
 
     def to_json(self) -> dict:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,

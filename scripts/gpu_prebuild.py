@@ -1,11 +1,18 @@
 """Build FlashInfer's JIT modules before a timed run: each argument NAME:KV:PHASE runs that backend once on a small
-case of the 32/8-head, head_dim 128, bf16, page-16 spec (KV: bf16 or fp8_e4m3), checked against the float32
-reference. Run several of these processes at once: each module's build is mostly one single-threaded compiler job.
+case, checked against the float32 reference. The spec: 32/8 heads, head_dim 128, bf16, page 16 (KV: bf16 or
+fp8_e4m3); with ``--config CFG.json --kind KIND`` the spec of that layer kind of a Hugging Face config instead
+(``attnsel.spec.layer_specs``; KV fp8_e4m3 makes its cache fp8). Run several of these processes at once: each
+module's build is mostly one single-threaded compiler job. A backend that cannot serve the spec (its reason) is
+skipped, not an error.
 
 Usage (device): python3 scripts/gpu_prebuild.py flashinfer:bf16:decode flashinfer_cuda_cores:fp8_e4m3:decode
+                python3 scripts/gpu_prebuild.py --config examples/configs/gemma-3-1b.json --kind full_attention \
+                    flashinfer:bf16:prefill
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -14,19 +21,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnsel.backends import get  # noqa: E402
-from attnsel.spec import AttentionSpec  # noqa: E402
+from attnsel.spec import AttentionSpec, layer_specs  # noqa: E402
 from tests.feature_cases import decode_case, prefill_case  # noqa: E402
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("modules", nargs="+", metavar="NAME:KV:PHASE")
+parser.add_argument("--config", help="a Hugging Face config.json: take the spec of one of its layer kinds")
+parser.add_argument("--kind", default="full_attention", help="the layer kind of --config (default full_attention)")
+args = parser.parse_args()
+base = AttentionSpec(32, 8, 128, "bf16", 16)
+if args.config:
+    kinds = {kind: spec for kind, spec, _ in layer_specs(args.config)}
+    if args.kind not in kinds:
+        parser.error(f"--kind {args.kind}: {args.config} has layer kinds {', '.join(kinds)}")
+    base = kinds[args.kind]
 failed = []
-for arg in sys.argv[1:]:
+for arg in args.modules:
     name, kv, phase = arg.split(":")
-    spec = AttentionSpec(32, 8, 128, "bf16", 16, kv_dtype=None if kv == "bf16" else kv)
+    spec = dataclasses.replace(base, kv_dtype=None if kv == "bf16" else kv)
+    reason = get(name).unsupported(spec, phase)
+    if reason:
+        print(f"{arg} on {spec.describe()}: skipped ({reason})", flush=True)
+        continue
     dev = torch.device("cuda")
     case = (decode_case(spec, dev, [17, 300]) if phase == "decode"
             else prefill_case(spec, dev, [13, 97], [13, 97]))
     t0 = time.perf_counter()
     err = case.error(case.run(get(name), spec))
-    print(f"{arg}: built and ran in {time.perf_counter() - t0:.1f} s, max abs error {err:.3g} "
+    print(f"{arg} on {spec.describe()}: built and ran in {time.perf_counter() - t0:.1f} s, max abs error {err:.3g} "
           f"(tolerance {case.tolerance(spec):.3g})", flush=True)
     if not err <= case.tolerance(spec):  # NaN included
         failed.append(arg)

@@ -771,3 +771,82 @@ def test_interpolation_ignores_corners_of_zero_weight_and_bad_times():
     data["buckets"][1]["times_us"] = {}
     loaded = DispatchTable.from_json(data)
     assert loaded.backend_for((100,)) == loaded.bucket_for((100,)).backend and loaded.backend_for((512,)) == "b"
+
+
+class B1hdPlugin:
+    """torch's decode that records the q it is given; ``decode_takes_b1hd`` as given (a callable: a property that
+    raises)."""
+
+    seen: list = []
+
+    def __init__(self, name, takes):
+        self.name, self.version, self._takes = name, "test", takes
+
+    @property
+    def decode_takes_b1hd(self):
+        if callable(self._takes):
+            return self._takes()
+        return self._takes
+
+    def unsupported(self, spec, phase):
+        return None
+
+    def plan_prefill(self, spec, *args):
+        return TORCH.plan_prefill(spec, *args)
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        torch_run = TORCH.plan_decode(spec, page_table, seq_lens)
+
+        def run(q, k_cache, v_cache, **kwargs):
+            B1hdPlugin.seen.append(q)
+            if q.dim() == 4:
+                return torch_run(q[:, 0], k_cache, v_cache, **kwargs)[:, None]
+            return torch_run(q, k_cache, v_cache, **kwargs)
+
+        return run
+
+
+def _raises():
+    raise RuntimeError("broken attribute")
+
+
+B1HD_PLUGINS = [B1hdPlugin("b1hd_native", True), B1hdPlugin("b1hd_views", False),
+                B1hdPlugin("b1hd_truthy", 1), B1hdPlugin("b1hd_raises", _raises)]
+
+
+@pytest.mark.parametrize("name,native", [("b1hd_native", True), ("b1hd_views", False), ("b1hd_truthy", False),
+                                         ("b1hd_raises", False)])
+def test_plan_decode_in_flash_layout_passes_q_only_to_backends_that_take_it(monkeypatch, caplog, name, native):
+    """q_layout="b1hd": q [B, 1, H, D] reaches a backend whose decode_takes_b1hd is True as the very tensor given
+    (no view); any other backend (attribute missing, not True, or raising: logged) gets q viewed as [B, H, D]. Out is
+    [B, 1, H, D] and equal to the [B, H, D] plan's, against the float32 reference either way."""
+    from tests.feature_cases import decode_case
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:B1HD_PLUGINS")
+    spec = AttentionSpec(4, 2, 16, "fp32", 16)
+    case = decode_case(spec, torch.device("cpu"), [5, 0, 33])
+    sel = _selection({"decode": PhaseChoice(name, "explicit", [])}, spec=spec)
+    q, k_cache, v_cache = case.inputs
+    q4 = q.unsqueeze(1)
+    B1hdPlugin.seen.clear()
+    out = sel.plan_decode(*case.plan_args, q_layout="b1hd")(q4, k_cache, v_cache)
+    assert out.shape == q4.shape
+    assert (B1hdPlugin.seen[-1] is q4) is native and B1hdPlugin.seen[-1].dim() == (4 if native else 3)
+    assert (out[:, 0] - case.ref).abs().max().item() < 1e-5
+    assert torch.equal(out[:, 0], sel.plan_decode(*case.plan_args)(q, k_cache, v_cache))
+    if name == "b1hd_raises":
+        assert "decode_takes_b1hd of b1hd_raises raised RuntimeError: broken attribute" in caplog.text
+
+
+def test_plan_decode_in_flash_layout_names_a_bad_q_and_a_bad_layout():
+    sel = _selection({})
+    table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32)
+    cache = torch.zeros(6, SPEC.page_size, SPEC.num_kv_heads, SPEC.head_dim, dtype=SPEC.torch_dtype)
+    run = sel.plan_decode(table, lens, q_layout="b1hd")
+    q3 = torch.zeros(2, SPEC.num_q_heads, SPEC.head_dim, dtype=SPEC.torch_dtype)
+    with pytest.raises(ValueError, match=rf"q: expected \[2, 1, {SPEC.num_q_heads}, {SPEC.head_dim}\]"):
+        run(q3, cache, cache)
+    with pytest.raises(ValueError, match=r"q: expected \[2, 1, "):
+        run(q3.unsqueeze(0).expand(2, 2, *q3.shape[1:]), cache, cache)  # [2, 2, H, D]: the axis must be 1
+    with pytest.raises(ValueError, match="q_layout: expected 'bhd' .* or 'b1hd' .* got 'bshd'"):
+        sel.plan_decode(table, lens, q_layout="bshd")

@@ -555,3 +555,65 @@ def test_bad_inputs_raise_before_the_cache_is_written(monkeypatch):
                                             torch.ones(2, 1, hk, 2 * d, device=DEV), cache_seqlens=seqlens,
                                             page_table=table, causal=True)
         assert kc16.abs().sum().item() == 0
+
+
+def test_tensors_on_another_device_or_with_strided_last_dims_are_named(monkeypatch):
+    """The FA-compatible calls run the backend's own run function (Selection's per-call checks off), so they make
+    those checks themselves: caches or metadata on another device than q, and a last dimension that is not
+    contiguous (a kernel would read the wrong elements), raise naming the tensor, before the cache is written."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    hq, hk, d, ps = 4, 2, 8, 4
+    kc = torch.zeros(8, ps, hk, d, device=DEV)
+    table = torch.arange(8, dtype=torch.int32, device=DEV).view(2, 4)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 1, hq, d, device=DEV)
+    k_new = torch.ones(2, 1, hk, d, device=DEV)
+    meta = dict(device="meta")
+    with pytest.raises(ValueError, match="must be on q's device"):
+        attnsel.flash_attn_with_kvcache(q, kc.to(**meta), kc.to(**meta), cache_seqlens=seqlens, page_table=table)
+    with pytest.raises(ValueError, match="must be on q's device"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.to(**meta), k_new, k_new, cache_seqlens=seqlens, page_table=table)
+    with pytest.raises(ValueError, match="page_table and cache_seqlens must be on q's device"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), k_new, k_new, cache_seqlens=seqlens,
+                                        page_table=table.to(**meta))
+    strided = torch.zeros(8, ps, hk, 2 * d, device=DEV)[..., ::2]
+    with pytest.raises(ValueError, match=r"k_cache's last dimension must be contiguous \(stride 1\)"):
+        attnsel.flash_attn_with_kvcache(q, strided, kc.clone(), k_new, k_new, cache_seqlens=seqlens,
+                                        page_table=table)
+    assert kc.abs().sum().item() == 0
+    qv, kv, vv, cu_q, cu_k = ragged([2, 3], [2, 3], hq, hk, d, torch.float32)
+    with pytest.raises(ValueError, match="must be on q's device"):
+        attnsel.flash_attn_varlen_func(qv, kv.to(**meta), vv, cu_q, cu_k, 3, 3, causal=True)
+    with pytest.raises(ValueError, match="cu_seqlens_q/cu_seqlens_k must be on q's device"):
+        attnsel.flash_attn_varlen_func(qv, kv, vv, cu_q.to(**meta), cu_k, 3, 3, causal=True)
+    q_strided = torch.randn(5, hq, 2 * d, device=DEV)[..., ::2]
+    with pytest.raises(ValueError, match=r"q's last dimension must be contiguous"):
+        attnsel.flash_attn_varlen_func(q_strided, kv, vv, cu_q, cu_k, 3, 3, causal=True)
+    # a q whose heads are strided but whose last dimension is contiguous is served (a slice of a fused qkv)
+    fused = torch.randn(5, 2 * hq, d, device=DEV)[:, :hq]
+    out = attnsel.flash_attn_varlen_func(fused, kv, vv, cu_q, cu_k, 3, 3, causal=True)
+    ref = reference(fused.float().cpu(), kv.float().cpu(), vv.float().cpu(), [2, 3], [2, 3], d ** -0.5)
+    assert (out.float().cpu() - ref).abs().max().item() < 1e-5
+
+
+def test_kvcache_passes_q_as_it_comes_to_a_backend_that_takes_its_layout(monkeypatch):
+    """A decode backend with decode_takes_b1hd gets the caller's very q [B, 1, H, D] (no views); one without gets
+    q as [B, H, D]; the output is [B, 1, H, D] either way and matches the reference."""
+    from tests.test_dispatch import B1hdPlugin
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:B1HD_PLUGINS")
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    lens, hq, hk, d, ps = [1, 5, 16, 21], 4, 2, 16, 4
+    kc, vc, table, ks, vs = paged(lens, hk, d, ps, torch.float32, seed=3, garbage=float("nan"))
+    q = torch.randn(len(lens), 1, hq, d).to(DEV)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ref = reference(q[:, 0].cpu(), torch.cat(ks).float(), torch.cat(vs).float(), [1] * len(lens), lens, d ** -0.5)
+    for name, native in (("b1hd_native", True), ("b1hd_views", False)):
+        monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", name)
+        flash_api.reset()
+        B1hdPlugin.seen.clear()
+        out = attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, causal=True)
+        assert out.shape == q.shape
+        assert (B1hdPlugin.seen[-1] is q) is native and B1hdPlugin.seen[-1].dim() == (4 if native else 3)
+        assert (out[:, 0].cpu() - ref).abs().max().item() < 1e-5

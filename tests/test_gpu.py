@@ -169,6 +169,36 @@ def test_feature_against_reference(key, name, phase, feature_cases):
         assert out[zero_rows].abs().max().item() == 0, "zero-length rows must be zeros"
 
 
+B1HD = [n for n in BUILTINS if getattr(get(n), "decode_takes_b1hd", False)]
+
+
+@pytest.mark.parametrize("key", ["plain", "window256", "sinks", "fp8kv"])
+@pytest.mark.parametrize("name", B1HD)
+def test_decode_in_flash_layout_matches_bhd(name, key):
+    """A backend with decode_takes_b1hd (FA3, Triton) takes q [B, 1, H, D] with no view: out [B, 1, H, D] equal
+    to the [B, H, D] call's, within tolerance of the float32 reference, zero-length rows zeros."""
+    from tests.feature_cases import decode_case
+
+    spec = SPECS["gqa4-d128-bf16"] if key == "plain" else FEATURE_SPECS[key]
+    backend = get(name)
+    reason = backend.unsupported(spec, "decode")
+    if reason:
+        pytest.skip(reason)
+    case = decode_case(spec, torch.device("cuda"), DECODE_LENS, sentinel=-1)
+    run = backend.plan_decode(spec, *case.plan_args)
+    q, k_cache, v_cache = case.inputs
+    out4 = run(q.unsqueeze(1), k_cache, v_cache, **case.kwargs)
+    out3 = run(q, k_cache, v_cache, **case.kwargs)
+    torch.cuda.synchronize()
+    err, tol = case.error(out4[:, 0]), case.tolerance(spec)
+    _record(spec=f"b1hd-{key}", backend=name, phase="decode", max_abs_err=err, tolerance=tol)
+    assert out4.shape == (q.shape[0], 1, *q.shape[1:]) and out4.dtype == q.dtype
+    assert err <= tol, f"{name} [B, 1, H, D] {key}: max abs error {err:.3g} > tolerance {tol:.3g}"
+    assert torch.equal(out4[:, 0], out3)
+    zero_rows = [i for i, n in enumerate(DECODE_LENS) if n == 0]
+    assert out4[zero_rows].abs().max().item() == 0
+
+
 @pytest.mark.parametrize("name", [n for n in BUILTINS if n != "torch"])
 def test_decode_contract_zero_length_and_sentinels(name):
     """Plain spec: zero-length rows, NaN in unused slots and pages, -1 and num_pages sentinels in the page table."""

@@ -296,3 +296,44 @@ def test_prefill_long_offsets_variant(monkeypatch):
     spec = _spec(sliding_window=40, softcap=8.0, sinks=True)
     out, ref, _ = _prefill(spec, q_mul=2.0)
     assert (out.float() - ref).abs().max().item() <= TOL["fp16"] * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+def test_decode_takes_q_in_flash_layout(splits, monkeypatch):
+    """q as FlashAttention's [batch, 1, heads, dim] (decode_takes_b1hd): the same numbers as [batch, heads, dim],
+    out in q's layout, on the single and split (reduce kernel) paths; sinks and a window on so every store runs.
+    Fails when the kernels index heads with stride(1) (that is the unit axis of a [B, 1, H, D] tensor)."""
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 2**30, 1))
+    spec = _spec(page_size=16, sliding_window=40, sinks=True)
+    case = decode_case(spec, CPU, DECODE_LENS)
+    assert tb.BACKEND.decode_takes_b1hd is True
+    run = get("triton").plan_decode(spec, *case.plan_args)
+    q, k_cache, v_cache = case.inputs
+    out4 = run(q.unsqueeze(1), k_cache, v_cache, **case.kwargs)
+    assert out4.shape == (q.shape[0], 1, *q.shape[1:])
+    _assert_close(out4[:, 0], case.ref)
+    assert torch.equal(out4[:, 0], run(q, k_cache, v_cache, **case.kwargs))
+
+
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "w40"])
+def test_decode_plan_during_graph_capture_reads_nothing_on_the_host(window, monkeypatch):
+    """A decode plan made during CUDA-graph capture (attnsel.flash_attn_with_kvcache plans there) may not read
+    seq_lens on the host (a sync is an error during capture: the H200 run of 2026-12-04 failed on it): it plans
+    from the page table's width instead, and the run is still right for every row, zero-length ones included."""
+    import attnsel.backends.support as support
+
+    spec = _spec(page_size=16, sliding_window=window)
+    case = decode_case(spec, CPU, DECODE_LENS)
+    monkeypatch.setattr(support, "capturing", lambda t: True)
+
+    def no_host_read(*args):
+        raise AssertionError("host read of a device tensor while planning during capture")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", no_host_read)
+        m.setattr(torch.Tensor, "item", no_host_read)
+        m.setattr(torch.Tensor, "__bool__", no_host_read)
+        run = get("triton").plan_decode(spec, *case.plan_args)
+    out = run(*case.inputs, **case.kwargs)
+    _assert_close(out, case.ref)
+    assert out[0].abs().max().item() == 0 and out[4].abs().max().item() == 0

@@ -74,9 +74,11 @@ class Backend(Protocol):
     transformers integration) then plan again instead of calling a stale plan.
     Optional attributes: ``version`` (str or callable; part of the cache key, with a hash of the source file of the
     backend's module), ``first_use_note`` (str shown while a slow first use runs, e.g. a JIT build),
-    ``report_extras()`` (dict of facts for reports, e.g. a JIT cache path). The parent reads all of them through
-    ``availability``, ``first_use_note`` and ``report_extras`` below, which turn anything a plugin raises into a
-    reason instead of aborting the selection.
+    ``report_extras()`` (dict of facts for reports, e.g. a JIT cache path), ``decode_takes_b1hd`` (True when
+    plan_decode's run also takes q as FlashAttention's ``[batch, 1, num_q_heads, head_dim]`` and then returns out in
+    that shape: the FA-compatible decode then passes q as it comes, without two views per call). The parent reads
+    all of them through ``availability``, ``first_use_note``, ``report_extras`` and ``decode_takes_b1hd`` below,
+    which turn anything a plugin raises into a reason or a default instead of aborting the selection.
     """
 
     name: str
@@ -290,6 +292,16 @@ def first_use_note(backend: Backend) -> str:
         log.warning("first_use_note of %s raised %s: %s", backend.name, type(exc).__name__, exc)
         return f"first_use_note raised {type(exc).__name__}: {exc}"
     return note if isinstance(note, str) else ""
+
+
+def decode_takes_b1hd(backend: Backend) -> bool:
+    """Whether the backend's decode run takes q ``[batch, 1, heads, head_dim]`` natively (its optional
+    ``decode_takes_b1hd`` attribute is True); False when the attribute is missing, not a bool, or raises."""
+    try:
+        return getattr(backend, "decode_takes_b1hd", False) is True
+    except Exception as exc:
+        log.warning("decode_takes_b1hd of %s raised %s: %s", backend.name, type(exc).__name__, exc)
+        return False
 
 
 def report_extras(backend: Backend) -> dict:

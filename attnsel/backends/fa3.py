@@ -26,7 +26,7 @@ import torch
 from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
-from .support import capability_reason, dtype_reason, feature_reasons, joined
+from .support import capability_reason, capturing, dtype_reason, feature_reasons, joined
 
 # FA3 compiles kernels for these head_dim bins; a head_dim runs in the smallest bin that holds it.
 _HDIM_BINS = (64, 96, 128, 192, 256)
@@ -105,6 +105,7 @@ class FA3Backend:
         self.pack_gqa = pack_gqa
         self.prefill_splits = prefill_splits  # 1: no KV split; 0: FA3's heuristic (splits few-query long-key rows)
         self.phases = phases
+        self.decode_takes_b1hd = True  # FA3's op takes q [B, 1, H, D]: the FA-compatible decode makes no views
 
     def version(self) -> str | None:
         return package_version("tokenspeed-fa3")
@@ -154,31 +155,39 @@ class FA3Backend:
         # more per call), so runs of one plan share nothing. (The wrong FA3 outputs seen on the H200 under graph
         # replay with metadata came from the timing harness freeing the plan while its graph was replayed, since
         # fixed in validate/timing.py; the metadata itself was not shown to be wrong.)
-        empty_rows = (lens == 0)[:, None, None] if batch and bool((lens == 0).any()) else None
+        # zero-length rows (CUDA-graph padding) get zeros: a mask only when the plan has such rows (read on the
+        # host), or always during capture, where a host read is not allowed (a replay may bring such rows)
+        empty_rows = (lens == 0)[:, None, None] if batch else None  # [B, 1, 1]
+        if empty_rows is not None and not capturing(lens):
+            empty_rows = empty_rows if bool(empty_rows.any()) else None
         scale, window, softcap = spec.scale, _window(spec), spec.softcap or 0.0
         fp8 = spec.kv_dtype is not None
         pack_gqa, kvh = self.pack_gqa, spec.num_kv_heads
 
         def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            # q [B, H, D], or [B, 1, H, D] (FA3's own layout, decode_takes_b1hd): out in q's layout
+            b1hd = q.dim() == 4
             descale = {}
             if fp8:
                 if k_scale is None or v_scale is None:
                     raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element "
                                      "tensors)")
-                q_in, q_descale = quantize_q(q, kvh)
+                q_in, q_descale = quantize_q(q.squeeze(1) if b1hd else q, kvh)
+                q_in = q_in.unsqueeze(1)
                 descale = dict(q_descale=q_descale, k_descale=k_scale.float().view(1, 1).expand(batch, kvh),
                                v_descale=v_scale.float().view(1, 1).expand(batch, kvh))
             else:
-                q_in = q
-            out = _fwd(q_in.unsqueeze(1), k_cache, v_cache, seqused_k=lens, page_table=page_table,
+                q_in = q if b1hd else q.unsqueeze(1)
+            out = _fwd(q_in, k_cache, v_cache, seqused_k=lens, page_table=page_table,
                        softmax_scale=scale, causal=True, window=window, softcap=softcap,
-                       num_splits=0, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks),
-                       **descale).squeeze(1)
+                       num_splits=0, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks), **descale)
+            if not b1hd:
+                out = out.squeeze(1)
             if out.dtype != q.dtype:  # fp8 inputs give bf16
                 out = out.to(q.dtype)
             if empty_rows is not None:  # zero-length rows (CUDA-graph padding) are zeros by contract
-                out = out.masked_fill(empty_rows, 0.0)
+                out = out.masked_fill(empty_rows[:, None] if b1hd else empty_rows, 0.0)
             return out
 
         return run

@@ -1,11 +1,13 @@
 """Support checks shared by the backends: the same sentence for the same limit, whichever backend states it.
 
 Each helper returns a reason (str) or None; a backend's ``unsupported`` joins the non-None ones with ``joined``.
+Also ``capturing``: whether a plan is being made during CUDA-graph capture (no host reads then).
 """
 from __future__ import annotations
 
 from collections.abc import Collection
 
+import torch
 
 from ..device import capability_reason  # noqa: F401  (one capability check, re-exported for the backends)
 from ..spec import AttentionSpec
@@ -58,3 +60,9 @@ def joined(reasons) -> str | None:
     """The non-empty reasons joined by '; ', or None when there are none."""
     text = "; ".join(r for r in reasons if r)
     return text or None
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of t's device: a plan made now must not read
+    device tensors on the host (no sync is allowed during capture), so it plans from host bounds instead."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

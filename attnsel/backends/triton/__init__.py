@@ -17,6 +17,7 @@ import torch
 from ...device import package_version
 from ...spec import AttentionSpec
 from .. import Phase, RunFn
+from .. import support
 from ..support import capability_reason, dtype_reason, feature_reasons, joined
 
 MAX_HEAD_DIM = 256
@@ -114,6 +115,7 @@ def _check_sinks(spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tenso
 
 class TritonBackend:
     name = "triton"
+    decode_takes_b1hd = True  # the decode kernel reads q and writes out through strides: [B, 1, H, D] needs no view
 
     def version(self) -> str | None:
         """The triton package's version and a hash of our kernel sources: a changed kernel is validated anew."""
@@ -174,8 +176,16 @@ class TritonBackend:
 
         cfg = decode_config(spec.head_dim, fp8=True) if spec.kv_dtype else decode_config(spec.head_dim)
         batch = seq_lens.numel()
-        spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)  # tokens read
-        max_len, total_len = torch.stack((spans.max().long(), spans.sum())).tolist() if batch else (1, 1)
+        if support.capturing(seq_lens):
+            # no host read during CUDA-graph capture: the longest row the page table holds, every row that long (the
+            # grid gets room for the splits a replay at any length needs; each row's splits come from its length)
+            max_len = page_table.shape[1] * spec.page_size
+            if spec.sliding_window is not None:
+                max_len = min(max_len, spec.sliding_window)
+            total_len = batch * max_len
+        else:
+            spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)  # read
+            max_len, total_len = torch.stack((spans.max().long(), spans.sum())).tolist() if batch else (1, 1)
         sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
                if seq_lens.device.type == "cuda" else None)
         splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),
@@ -205,16 +215,16 @@ class TritonBackend:
             sinks = _check_sinks(spec, sinks)
             if fp8 and (k_scale is None or v_scale is None):
                 raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element tensors)")
-            if q.numel() >= 2**31:
+            if q.numel() >= 2**31:  # q [B, H, D] or [B, 1, H, D]: heads at stride(-2), out like q
                 raise ValueError(f"triton decode: q has {q.numel()} elements, past 2^31 (32-bit offsets)")
             out = torch.empty_like(q)
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
             decode_kernel[(batch, spec.num_kv_heads, splits)](
                 q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, sinks,
                 k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, target, min_chunk, batch, heads,
-                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                q.stride(0), q.stride(-2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
-                out.stride(0), out.stride(1), *part_strides,
+                out.stride(0), out.stride(-2), *part_strides,
                 GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
                 PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
                 BLOCK_B=block_b, WINDOW=window, SOFTCAP=softcap,
@@ -222,7 +232,7 @@ class TritonBackend:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if splits > 1:
                 decode_reduce_kernel[(batch, heads)](
-                    out, o_part, lse_part, sinks, splits, heads, out.stride(0), out.stride(1), *part_strides,
+                    out, o_part, lse_part, sinks, splits, heads, out.stride(0), out.stride(-2), *part_strides,
                     HEAD_DIM=spec.head_dim, BLOCK_D=block_d, BLOCK_S=triton_next_pow2(splits),
                     HAS_SINKS=sinks is not None, num_warps=4)
             return out
