@@ -528,9 +528,9 @@ def test_calls_under_inference_mode_are_right_and_plan_each_call(monkeypatch, ca
     assert sum("no version counter" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_bad_inputs_raise_before_the_cache_is_written(monkeypatch):
-    """A wrong sinks shape, or a k_cache whose head_dim differs from q's on a later call, raises before the new token
-    is written into the cache (both wrote it first)."""
+def _small_decode(monkeypatch):
+    """torch for both phases; an all-zero fp32 paged cache (4/2 heads, d 8, page 4), its table and lengths, q and a
+    new token: the inputs of the bad-input tests, which check that nothing was written."""
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     hq, hk, d, ps = 4, 2, 8, 4
@@ -538,7 +538,13 @@ def test_bad_inputs_raise_before_the_cache_is_written(monkeypatch):
     table = torch.arange(8, dtype=torch.int32, device=DEV).view(2, 4)
     seqlens = torch.tensor([3, 5], dtype=torch.int32, device=DEV)
     q = torch.randn(2, 1, hq, d, device=DEV)
-    k_new = torch.ones(2, 1, hk, d, device=DEV)
+    return hq, hk, d, ps, kc, table, seqlens, q, torch.ones(2, 1, hk, d, device=DEV)
+
+
+def test_bad_inputs_raise_before_the_cache_is_written(monkeypatch):
+    """A wrong sinks shape, or a k_cache whose head_dim differs from q's on a later call, raises before the new token
+    is written into the cache (both wrote it first)."""
+    hq, hk, d, ps, kc, table, seqlens, q, k_new = _small_decode(monkeypatch)
     with pytest.raises(ValueError, match="sinks must have shape"):
         attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), k_new, k_new, cache_seqlens=seqlens, page_table=table,
                                         causal=True, sinks=torch.zeros(2))
@@ -561,14 +567,7 @@ def test_tensors_on_another_device_or_with_strided_last_dims_are_named(monkeypat
     """The FA-compatible calls run the backend's own run function (Selection's per-call checks off), so they make
     those checks themselves: caches or metadata on another device than q, and a last dimension that is not
     contiguous (a kernel would read the wrong elements), raise naming the tensor, before the cache is written."""
-    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
-    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
-    hq, hk, d, ps = 4, 2, 8, 4
-    kc = torch.zeros(8, ps, hk, d, device=DEV)
-    table = torch.arange(8, dtype=torch.int32, device=DEV).view(2, 4)
-    seqlens = torch.tensor([3, 5], dtype=torch.int32, device=DEV)
-    q = torch.randn(2, 1, hq, d, device=DEV)
-    k_new = torch.ones(2, 1, hk, d, device=DEV)
+    hq, hk, d, ps, kc, table, seqlens, q, k_new = _small_decode(monkeypatch)
     meta = dict(device="meta")
     with pytest.raises(ValueError, match="must be on q's device"):
         attnsel.flash_attn_with_kvcache(q, kc.to(**meta), kc.to(**meta), cache_seqlens=seqlens, page_table=table)
