@@ -120,8 +120,8 @@ def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int
     return window, (float(softcap) if softcap > 0 else None)
 
 
-def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Size, ks: torch.Size, page_size: int,
-             softmax_scale, causal: bool, window: int | None, softcap: float | None, sinks: bool
+def _resolve(func: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Size, ks: torch.Size,
+             page_size: int, softmax_scale, causal: bool, window: int | None, softcap: float | None, sinks: bool
              ) -> tuple[AttentionSpec, Selection, int]:
     """The AttentionSpec of the call, its Selection and an int naming it in the plan cache (unique for the process),
     memoised on the cheap facts they are made from (hashing a spec per call would cost a microsecond). qs, ks: q's
@@ -135,8 +135,9 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Size, 
     if found is None:
         head_dim = qs[-1]
         if key[-2] != key[-3] or key[-1] != key[-3]:
-            raise ValueError(f"k/k_cache and v/v_cache must be on q's device {q.device}, got {k.device} and "
-                             f"{v.device}")
+            names = ("k", "v") if func == "flash_attn_varlen_func" else ("k_cache", "v_cache")
+            raise ValueError(f"attnsel.{func}: q, {names[0]} and {names[1]} must be on one device, got q on "
+                             f"{q.device}, {names[0]} on {k.device}, {names[1]} on {v.device}")
         scale = None
         if softmax_scale is not None and (not math.isfinite(softmax_scale) or softmax_scale <= 0):
             raise _scale_error(softmax_scale)
@@ -276,8 +277,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(
         "flash_attn_varlen_func", causal, window_size, softcap)
     # the spec's checks, and k/v on q's device; the run is the backend's own (checked=False): these checks are its
-    spec, sel, number = _resolve(q, k, v, qs, ks, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window, cap,
-                                 sinks is not None)
+    spec, sel, number = _resolve("flash_attn_varlen_func", q, k, v, qs, ks, DEFAULT_PAGE_SIZE, softmax_scale,
+                                 bool(causal), window, cap, sinks is not None)
     host = (int(max_seqlen_q), int(max_seqlen_k), qs[0], ks[0])
     slot, capturing = ("prefill", number), _capturing(q)
     run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
@@ -364,6 +365,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         scales = {"k_scale": _scale_tensor(k_descale), "v_scale": _scale_tensor(v_descale)}
     elif k_descale is not None or v_descale is not None:
         _unsupported(func, {n: x for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None})
+    if k is not None and (k.device != q.device or v.device != q.device):  # before anything is written
+        raise ValueError(f"attnsel.{func}: k and v (new tokens) must be on q's device {q.device}, got {k.device} "
+                         f"and {v.device}")
     if k is not None and (k.dtype != k_cache.dtype or v.dtype != k_cache.dtype):
         raise ValueError(f"attnsel.{func}: k/v ({k.dtype}/{v.dtype}) must have the cache's dtype {k_cache.dtype}")
     if k is not None and (k.shape != (batch, 1, ks[2], ks[3]) or v.shape != k.shape):
@@ -376,7 +380,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     # One query token: causal or not is the same attention; the spec says causal so that one selection serves both.
     # The spec's checks, and the caches on q's device; the run is the backend's own (checked=False): these checks
     # are its.
-    spec, sel, number = _resolve(q, k_cache, v_cache, qs, ks, page_size, softmax_scale, True, window, cap,
+    spec, sel, number = _resolve(func, q, k_cache, v_cache, qs, ks, page_size, softmax_scale, True, window, cap,
                                  sinks is not None)
     append = k is not None
     host = (append, ts[1])

@@ -3,6 +3,7 @@ batch size, the cache round trip, the JSON schema, and the checked run functions
 (the real worker runs once, on the CPU grid)."""
 import json
 import math
+import re
 import types
 
 import pytest
@@ -810,8 +811,28 @@ def _raises():
     raise RuntimeError("broken attribute")
 
 
+class B1hdLiar(B1hdPlugin):
+    """Declares decode_takes_b1hd but mishandles q [B, 1, H, D]: "shape" returns [B, H, D], "values" is off by 0.01."""
+
+    def __init__(self, name, fault):
+        super().__init__(name, True)
+        self.fault = fault
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        torch_run = TORCH.plan_decode(spec, page_table, seq_lens)
+
+        def run(q, k_cache, v_cache, **kwargs):
+            if q.dim() == 3:
+                return torch_run(q, k_cache, v_cache, **kwargs)
+            out = torch_run(q[:, 0], k_cache, v_cache, **kwargs)
+            return out if self.fault == "shape" else (out + 0.01)[:, None]
+
+        return run
+
+
 B1HD_PLUGINS = [B1hdPlugin("b1hd_native", True), B1hdPlugin("b1hd_views", False),
-                B1hdPlugin("b1hd_truthy", 1), B1hdPlugin("b1hd_raises", _raises)]
+                B1hdPlugin("b1hd_truthy", 1), B1hdPlugin("b1hd_raises", _raises),
+                B1hdLiar("b1hd_liar_shape", "shape"), B1hdLiar("b1hd_liar_values", "values")]
 
 
 @pytest.mark.parametrize("name,native", [("b1hd_native", True), ("b1hd_views", False), ("b1hd_truthy", False),
@@ -850,3 +871,21 @@ def test_plan_decode_in_flash_layout_names_a_bad_q_and_a_bad_layout():
         run(q3.unsqueeze(0).expand(2, 2, *q3.shape[1:]), cache, cache)  # [2, 2, H, D]: the axis must be 1
     with pytest.raises(ValueError, match="q_layout: expected 'bhd' .* or 'b1hd' .* got 'bshd'"):
         sel.plan_decode(table, lens, q_layout="bshd")
+
+
+@pytest.mark.parametrize("name,why", [
+    ("b1hd_liar_shape", r"declares decode_takes_b1hd but returned \(\d+, 4, 16\) for q \[B, 1, H, D\], expected "
+                        r"\(\d+, 1, 4, 16\)"),
+    ("b1hd_liar_values", r"declares decode_takes_b1hd but its out for q \[B, 1, H, D\] differs from its out for "
+                         r"q \[B, H, D\] by 0.01")])
+def test_a_backend_that_declares_the_flash_layout_is_validated_in_it(monkeypatch, tmp_path, name, why):
+    """Validation runs a decode case with q [B, 1, H, D] too when the backend declares decode_takes_b1hd: a plugin
+    that returns another shape or other numbers in that layout is rejected with the reason (before, it was selected
+    and flash_attn_with_kvcache returned its [B, H, D] out or its wrong numbers)."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:B1HD_PLUGINS")
+    spec = AttentionSpec(4, 2, 16, "fp32", 16)
+    with pytest.raises(SelectionError) as err:
+        select(spec, prefill="torch", decode=name, cache_dir=str(tmp_path))
+    assert re.search(why, str(err.value)), str(err.value)
+    sel = select(spec, prefill="torch", decode="b1hd_native", cache_dir=str(tmp_path))  # the honest one is valid
+    assert sel.decode == "b1hd_native"

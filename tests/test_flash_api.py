@@ -569,10 +569,14 @@ def test_tensors_on_another_device_or_with_strided_last_dims_are_named(monkeypat
     contiguous (a kernel would read the wrong elements), raise naming the tensor, before the cache is written."""
     hq, hk, d, ps, kc, table, seqlens, q, k_new = _small_decode(monkeypatch)
     meta = dict(device="meta")
-    with pytest.raises(ValueError, match="must be on q's device"):
+    with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: q, k_cache and v_cache must be on one device, "
+                                         r"got q on \w+, k_cache on meta, v_cache on meta"):
         attnsel.flash_attn_with_kvcache(q, kc.to(**meta), kc.to(**meta), cache_seqlens=seqlens, page_table=table)
-    with pytest.raises(ValueError, match="must be on q's device"):
+    with pytest.raises(ValueError, match="must be on one device"):
         attnsel.flash_attn_with_kvcache(q, kc, kc.to(**meta), k_new, k_new, cache_seqlens=seqlens, page_table=table)
+    with pytest.raises(ValueError, match="k and v \\(new tokens\\) must be on q's device"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), k_new, k_new.to(**meta), cache_seqlens=seqlens,
+                                        page_table=table)
     with pytest.raises(ValueError, match="page_table and cache_seqlens must be on q's device"):
         attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), k_new, k_new, cache_seqlens=seqlens,
                                         page_table=table.to(**meta))
@@ -582,7 +586,7 @@ def test_tensors_on_another_device_or_with_strided_last_dims_are_named(monkeypat
                                         page_table=table)
     assert kc.abs().sum().item() == 0
     qv, kv, vv, cu_q, cu_k = ragged([2, 3], [2, 3], hq, hk, d, torch.float32)
-    with pytest.raises(ValueError, match="must be on q's device"):
+    with pytest.raises(ValueError, match="flash_attn_varlen_func: q, k and v must be on one device"):
         attnsel.flash_attn_varlen_func(qv, kv.to(**meta), vv, cu_q, cu_k, 3, 3, causal=True)
     with pytest.raises(ValueError, match="cu_seqlens_q/cu_seqlens_k must be on q's device"):
         attnsel.flash_attn_varlen_func(qv, kv, vv, cu_q.to(**meta), cu_k, 3, 3, causal=True)
@@ -616,3 +620,30 @@ def test_kvcache_passes_q_as_it_comes_to_a_backend_that_takes_its_layout(monkeyp
         assert out.shape == q.shape
         assert (B1hdPlugin.seen[-1] is q) is native and B1hdPlugin.seen[-1].dim() == (4 if native else 3)
         assert (out[:, 0].cpu() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+@pytest.mark.parametrize("layout", ["head_slice", "batch_stride"])
+def test_kvcache_triton_with_a_strided_q(monkeypatch, layout, splits):
+    """q handed to the Triton kernel as it comes ([B, 1, H, D] with strides of its own: the heads of a fused qkv, or
+    every other row of a larger batch): right numbers, out [B, 1, H, D]. Fails when the kernel writes out with q's
+    strides (they differ from out's here, unlike for a contiguous q)."""
+    import attnsel.backends.triton as tb
+
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 2**30, 1))
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "triton")
+    lens, hq, hk, d, ps = [1, 5, 16, 21], 4, 2, 16, 4
+    kc, vc, table, ks, vs = paged(lens, hk, d, ps, torch.float16, seed=3, garbage=float("nan"))
+    g = torch.Generator().manual_seed(4)
+    if layout == "head_slice":
+        q = torch.randn(len(lens), 1, 3 * hq, d, generator=g).to(DEV, torch.float16)[:, :, hq:2 * hq]
+    else:
+        q = torch.randn(2 * len(lens), 1, hq, d, generator=g).to(DEV, torch.float16)[::2]
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, causal=True)
+    assert out.shape == q.shape
+    ref = reference(q[:, 0].float().cpu(), torch.cat(ks).half().float(), torch.cat(vs).half().float(),
+                    [1] * len(lens), lens, d ** -0.5)
+    assert (out[:, 0].float().cpu() - ref).abs().max().item() < 2e-3

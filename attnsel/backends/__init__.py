@@ -300,8 +300,13 @@ def decode_takes_b1hd(backend: Backend) -> bool:
     try:
         return getattr(backend, "decode_takes_b1hd", False) is True
     except Exception as exc:
-        log.warning("decode_takes_b1hd of %s raised %s: %s", backend.name, type(exc).__name__, exc)
+        if backend.name not in _B1HD_RAISED:  # once per backend: this is read at every decode plan
+            _B1HD_RAISED.add(backend.name)
+            log.warning("decode_takes_b1hd of %s raised %s: %s", backend.name, type(exc).__name__, exc)
         return False
+
+
+_B1HD_RAISED: set[str] = set()
 
 
 def report_extras(backend: Backend) -> dict:

@@ -63,6 +63,7 @@ def joined(reasons) -> str | None:
 
 
 def capturing(t: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of t's device: a plan made now must not read
-    device tensors on the host (no sync is allowed during capture), so it plans from host bounds instead."""
+    """Whether t is a CUDA tensor and a CUDA graph is being captured on the current stream (of the current device:
+    torch.cuda.graph makes the capturing device current): a plan made now must not read device tensors on the host
+    (no sync is allowed during capture), so it plans from host bounds instead."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from ..backends import decode_takes_b1hd
 from ..spec import AttentionSpec
 
 TOL_FACTOR = 4.0
@@ -87,6 +88,7 @@ class DecodeCase:
     v_scale: torch.Tensor | None = None
     changed_inputs: list[str] = dataclasses.field(default_factory=list)
     rerun_diff: float | None = None
+    layout_error: str | None = None  # set by run_case for a backend with decode_takes_b1hd
 
     INPUTS = ("page_table", "seq_lens", "q", "k_cache", "v_cache", "sinks", "k_scale", "v_scale")
 
@@ -413,6 +415,10 @@ def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
         second = run(*inputs, **run_kwargs(spec, case))
         if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and first.shape == second.shape:
             case.rerun_diff = _difference(first, second)
+        if isinstance(case, DecodeCase) and decode_takes_b1hd(backend) and isinstance(second, torch.Tensor):
+            second = second.clone()  # the [B, 1, H, D] run may hand back the same buffer
+            case.layout_error = _b1hd_error(run(case.q.unsqueeze(1), case.k_cache, case.v_cache,
+                                                **run_kwargs(spec, case)), second)
         return second
     finally:
         for name, original in originals.items():
@@ -425,8 +431,24 @@ def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
                     setattr(case, name, original)
 
 
+def _b1hd_error(out4, out3: torch.Tensor) -> str | None:
+    """Why a decode run that declares ``decode_takes_b1hd`` fails that contract for q ``[B, 1, H, D]`` (its out
+    must be ``[B, 1, H, D]`` and equal to the ``[B, H, D]`` run's out), or None."""
+    want = (out3.shape[0], 1, *out3.shape[1:])
+    if not isinstance(out4, torch.Tensor) or tuple(out4.shape) != want:
+        got = tuple(out4.shape) if isinstance(out4, torch.Tensor) else type(out4).__name__
+        return f"declares decode_takes_b1hd but returned {got} for q [B, 1, H, D], expected {want}"
+    diff = _difference(out4[:, 0], out3)
+    if diff > 0:
+        return (f"declares decode_takes_b1hd but its out for q [B, 1, H, D] differs from its out for q [B, H, D] "
+                f"by {diff:.3g} (max abs; they must be equal)")
+    return None
+
+
 def check_output(spec: AttentionSpec, out, case: Case) -> dict:
     """Compare one output with the case's reference; the fields of a result (status, reason, max_abs_err, ...)."""
+    if getattr(case, "layout_error", None):
+        return {"status": "rejected", "reason": f"{case.layout_error} ({case.describe()})"}
     if case.changed_inputs:
         return {"status": "rejected", "reason": f"the backend changed its input(s) {', '.join(case.changed_inputs)} "
                                                 f"during plan/run (inputs must be left unchanged; {case.describe()})"}

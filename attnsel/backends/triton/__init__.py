@@ -110,7 +110,7 @@ def _check_sinks(spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tenso
     if sinks is None or sinks.shape != (spec.num_q_heads,) or sinks.dtype != torch.float32:
         got = None if sinks is None else f"{tuple(sinks.shape)} {sinks.dtype}"
         raise ValueError(f"spec.sinks needs sinks: a float32 tensor [num_q_heads={spec.num_q_heads}], got {got}")
-    return sinks
+    return sinks.contiguous()  # the kernels read SINKS + head (no copy when it already is)
 
 
 class TritonBackend:
@@ -150,7 +150,8 @@ class TritonBackend:
         scale_in, softcap = _scale_args(spec)
         window = spec.sliding_window or 0
         block_d = triton_next_pow2(spec.head_dim)
-        cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        # the kernels read cu + b: contiguous int32 (a column slice of an engine's metadata would be read wrong)
+        cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
         upcast = interpreted()
         rows_q, rows_k = max_seqlen_q + cfg.block_m, max_seqlen_k + cfg.block_n  # masked tiles reach this far
 
@@ -177,8 +178,10 @@ class TritonBackend:
         cfg = decode_config(spec.head_dim, fp8=True) if spec.kv_dtype else decode_config(spec.head_dim)
         batch = seq_lens.numel()
         if support.capturing(seq_lens):
-            # no host read during CUDA-graph capture: the longest row the page table holds, every row that long (the
-            # grid gets room for the splits a replay at any length needs; each row's splits come from its length)
+            # no host read during CUDA-graph capture: the longest row the page table holds, every row that long. The
+            # grid has the splits rows of equal length need at any length; a ragged replay (one long row among short
+            # ones) gets no more splits per row than that, which is slower than an eager plan would make it (up to
+            # 2.2x on the H200): sizing for one long row would keep 64 splits of partial outputs per captured call
             max_len = page_table.shape[1] * spec.page_size
             if spec.sliding_window is not None:
                 max_len = min(max_len, spec.sliding_window)
@@ -195,7 +198,8 @@ class TritonBackend:
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
         device = seq_lens.device
         page_table = page_table.to(torch.int32)
-        lens = seq_lens.to(torch.int32)
+        page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()  # rows at stride(0)
+        lens = seq_lens.to(torch.int32).contiguous()  # the kernels read LENS + b
         if splits > 1:
             o_part = torch.empty(batch, spec.num_q_heads, splits, block_d, dtype=torch.float32, device=device)
             lse_part = torch.empty(batch, spec.num_q_heads, splits, dtype=torch.float32, device=device)
