@@ -150,10 +150,17 @@ def _resolve(func: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: t
                                 "dtype, or torch.float8_e4m3fn with k_descale/v_descale")
             kv_name = "fp8_e4m3"
         if ks[-1] != head_dim:
-            raise SpecError(f"q has head_dim {head_dim} but k has {ks[-1]} (they must be equal)")
-        spec = AttentionSpec(num_q_heads=qs[-2], num_kv_heads=ks[-2], head_dim=head_dim,
-                             dtype=dtype_name(q.dtype), page_size=page_size, causal=causal, softmax_scale=scale,
-                             sliding_window=window, softcap=softcap, sinks=sinks, kv_dtype=kv_name)
+            raise SpecError(f"attnsel.{func}: q has head_dim {head_dim} but "
+                            f"{'k' if func == 'flash_attn_varlen_func' else 'k_cache'} has {ks[-1]} (they must be "
+                            "equal)")
+        try:
+            spec = AttentionSpec(num_q_heads=qs[-2], num_kv_heads=ks[-2], head_dim=head_dim,
+                                 dtype=dtype_name(q.dtype), page_size=page_size, causal=causal, softmax_scale=scale,
+                                 sliding_window=window, softcap=softcap, sinks=sinks, kv_dtype=kv_name)
+        except SpecError as exc:  # in the caller's terms: which tensors the fields came from
+            names = "k" if func == "flash_attn_varlen_func" else "k_cache"
+            raise SpecError(f"attnsel.{func}: q {tuple(qs)} and {names} {tuple(ks)} give no valid spec: {exc}",
+                            exc.field) from None
         # setdefault: of two threads making the first call of a key at once, both use the first one's entry
         found = _specs.setdefault(key, (spec, selection_for(spec, q.device), next(_numbers)))
     return found
@@ -356,15 +363,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                          f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
     scales = {}
     if k_cache.dtype != q.dtype:
+        if k_cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"attnsel.{func}: the KV cache's dtype {k_cache.dtype} differs from q's {q.dtype}; "
+                             "allowed: q's dtype, or torch.float8_e4m3fn with k_descale/v_descale")
         if k_descale is None or v_descale is None or k_descale.numel() != 1 or v_descale.numel() != 1:
             raise UnsupportedArgument(
-                f"attnsel.{func}: an {k_cache.dtype} cache needs k_descale and v_descale of one element each "
+                f"attnsel.{func}: a {k_cache.dtype} cache needs k_descale and v_descale of one element each "
                 f"(per-tensor scales); got k_descale={_show(k_descale)}, v_descale={_show(v_descale)}")
         if k is not None:
             _unsupported(func, {"k": k, "v": v})  # quantising new tokens into an fp8 cache: write them yourself
         scales = {"k_scale": _scale_tensor(k_descale), "v_scale": _scale_tensor(v_descale)}
     elif k_descale is not None or v_descale is not None:
-        _unsupported(func, {n: x for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None})
+        given = ", ".join(f"{n}={_show(x)}" for n, x in (("k_descale", k_descale), ("v_descale", v_descale))
+                          if x is not None)
+        raise UnsupportedArgument(f"attnsel.{func}: {given}: descale factors apply only to a torch.float8_e4m3fn "
+                                  f"cache; this cache is {k_cache.dtype} (leave them None)")
     if k is not None and (k.device != q.device or v.device != q.device):  # before anything is written
         raise ValueError(f"attnsel.{func}: k and v (new tokens) must be on q's device {q.device}, got {k.device} "
                          f"and {v.device}")

@@ -647,3 +647,20 @@ def test_kvcache_triton_with_a_strided_q(monkeypatch, layout, splits):
     ref = reference(q[:, 0].float().cpu(), torch.cat(ks).half().float(), torch.cat(vs).half().float(),
                     [1] * len(lens), lens, d ** -0.5)
     assert (out[:, 0].float().cpu() - ref).abs().max().item() < 2e-3
+
+
+def test_cache_dtype_and_head_mismatches_are_named_in_the_callers_terms(monkeypatch):
+    """A cache of another dtype than q's that is not fp8 is named as such (it used to ask for descales that cannot
+    help); descales with a cache in q's dtype say they apply only to fp8; heads that give no spec name the tensors."""
+    hq, hk, d, ps, kc, table, seqlens, q, k_new = _small_decode(monkeypatch)
+    with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: the KV cache's dtype torch.float16 differs from "
+                                         r"q's torch.float32; allowed: q's dtype, or torch.float8_e4m3fn"):
+        attnsel.flash_attn_with_kvcache(q, kc.half(), kc.half(), cache_seqlens=seqlens, page_table=table)
+    with pytest.raises(UnsupportedArgument, match=r"k_descale=<tensor \(1,\) torch.float32>: descale factors apply "
+                                                  r"only to a torch.float8_e4m3fn cache; this cache is torch.float32"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens, page_table=table,
+                                        k_descale=torch.ones(1))
+    kc3 = torch.zeros(8, ps, 3, d, device=DEV)
+    with pytest.raises(attnsel.spec.SpecError, match=r"flash_attn_with_kvcache: q \(2, 1, 4, 8\) and k_cache "
+                                                     r"\(8, 4, 3, 8\) give no valid spec: .*multiple"):
+        attnsel.flash_attn_with_kvcache(q, kc3, kc3.clone(), cache_seqlens=seqlens, page_table=table)

@@ -105,7 +105,8 @@ class FA3Backend:
         self.pack_gqa = pack_gqa
         self.prefill_splits = prefill_splits  # 1: no KV split; 0: FA3's heuristic (splits few-query long-key rows)
         self.phases = phases
-        self.decode_takes_b1hd = True  # FA3's op takes q [B, 1, H, D]: the FA-compatible decode makes no views
+        # FA3's op takes q [B, 1, H, D]: the FA-compatible decode makes no views (decoding variants only)
+        self.decode_takes_b1hd = "decode" in phases
 
     def version(self) -> str | None:
         return package_version("tokenspeed-fa3")
