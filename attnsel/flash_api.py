@@ -373,6 +373,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if k is not None:
             _unsupported(func, {"k": k, "v": v})  # quantising new tokens into an fp8 cache: write them yourself
         scales = {"k_scale": _scale_tensor(k_descale), "v_scale": _scale_tensor(v_descale)}
+    elif k_cache.dtype == torch.float8_e4m3fn:  # q fp8 too
+        raise ValueError(f"attnsel.{func}: q's dtype {q.dtype} is not served: q must be bfloat16, float16 or "
+                         "float32 (an fp8 cache takes q in one of them with k_descale/v_descale)")
     elif k_descale is not None or v_descale is not None:
         given = ", ".join(f"{n}={_show(x)}" for n, x in (("k_descale", k_descale), ("v_descale", v_descale))
                           if x is not None)

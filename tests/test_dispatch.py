@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+import attnsel.backends as backends_mod
 import attnsel.selection as selection
 from attnsel import AttentionSpec, SelectionError, select
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
@@ -850,6 +851,7 @@ def test_plan_decode_in_flash_layout_passes_q_only_to_backends_that_take_it(monk
     q, k_cache, v_cache = case.inputs
     q4 = q.unsqueeze(1)
     B1hdPlugin.seen.clear()
+    monkeypatch.setattr(backends_mod, "_B1HD_RAISED", set())  # the warning is logged once per backend and process
     out = sel.plan_decode(*case.plan_args, q_layout="b1hd")(q4, k_cache, v_cache)
     assert out.shape == q4.shape
     assert (B1hdPlugin.seen[-1] is q4) is native and B1hdPlugin.seen[-1].dim() == (4 if native else 3)
@@ -889,3 +891,15 @@ def test_a_backend_that_declares_the_flash_layout_is_validated_in_it(monkeypatch
     assert re.search(why, str(err.value)), str(err.value)
     sel = select(spec, prefill="torch", decode="b1hd_native", cache_dir=str(tmp_path))  # the honest one is valid
     assert sel.decode == "b1hd_native"
+
+
+def test_a_layout_failure_is_not_carried_to_the_next_backend_on_the_same_case(monkeypatch):
+    """bench.valid_backends runs every backend on one case: a rejection in the [B, 1, H, D] layout belongs to the
+    backend that failed it, not to the next one (torch here, which takes no such layout)."""
+    from attnsel.bench import valid_backends
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:B1HD_PLUGINS")
+    valid = valid_backends(AttentionSpec(4, 2, 16, "fp32", 16), "decode", ["b1hd_liar_values", "torch"],
+                           torch.device("cpu"))
+    assert valid["torch"] == "", valid["torch"]
+    assert "declares decode_takes_b1hd" in valid["b1hd_liar_values"]

@@ -336,3 +336,36 @@ def test_decode_plan_during_graph_capture_reads_nothing_on_the_host(window, monk
     out = run(*case.inputs, **case.kwargs)
     _assert_close(out, case.ref)
     assert out[0].abs().max().item() == 0 and out[4].abs().max().item() == 0
+
+
+def test_strided_metadata_and_sinks_are_read_right(monkeypatch):
+    """Metadata and sinks handed over as views with strides of their own (a column of an engine's [batch, 2]
+    lengths tensor, every other column of a wider page table, every other element of a sinks buffer, cu_seqlens
+    from a [batch + 1, 2] tensor): the kernels index them with stride 1, so the plans must make them contiguous.
+    Before the fix the decode read wrong lengths (wrong numbers or an out-of-bounds read)."""
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    spec = _spec(page_size=16, sinks=True)
+    case = decode_case(spec, CPU, DECODE_LENS)
+    table, lens = case.plan_args
+    wide = torch.full((table.shape[0], 2 * table.shape[1]), -1, dtype=torch.int32)
+    wide[:, ::2] = table
+    pair = torch.stack((lens, torch.zeros_like(lens)), dim=1)
+    sinks2 = torch.stack((case.kwargs["sinks"], torch.full_like(case.kwargs["sinks"], 50.0)), dim=1)
+    run = get("triton").plan_decode(spec, wide[:, ::2], pair[:, 0])
+    out = run(*case.inputs, sinks=sinks2[:, 0])
+    _assert_close(out, case.ref)
+
+    pspec = _spec(sinks=True)
+    pcase = prefill_case(pspec, CPU, PREFILL_LQ, PREFILL_LK)
+    cu_q, cu_k, max_q, max_k = pcase.plan_args
+    cu2 = lambda cu: torch.stack((cu, torch.zeros_like(cu)), dim=1)[:, 0]  # noqa: E731
+    run = get("triton").plan_prefill(pspec, cu2(cu_q), cu2(cu_k), max_q, max_k)
+    psinks = torch.stack((pcase.kwargs["sinks"], torch.zeros_like(pcase.kwargs["sinks"])), dim=1)[:, 0]
+    _assert_close(run(*pcase.inputs, sinks=psinks), pcase.ref)
+
+
+def test_the_prefill_only_fa3_variant_does_not_claim_the_decode_layout():
+    from attnsel.backends import decode_takes_b1hd
+
+    assert [n for n in ("fa3", "fa3_packgqa", "fa3_split", "triton", "torch", "flashinfer")
+            if decode_takes_b1hd(get(n))] == ["fa3", "fa3_packgqa", "triton"]
