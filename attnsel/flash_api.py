@@ -134,32 +134,24 @@ def _resolve(func: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: t
     found = _specs.get(key)
     if found is None:
         head_dim = qs[-1]
+        kn, vn = ("k", "v") if func == "flash_attn_varlen_func" else ("k_cache", "v_cache")  # the caller's names
         if key[-2] != key[-3] or key[-1] != key[-3]:
-            names = ("k", "v") if func == "flash_attn_varlen_func" else ("k_cache", "v_cache")
-            raise ValueError(f"attnsel.{func}: q, {names[0]} and {names[1]} must be on one device, got q on "
-                             f"{q.device}, {names[0]} on {k.device}, {names[1]} on {v.device}")
+            raise ValueError(f"attnsel.{func}: q, {kn} and {vn} must be on one device, got q on {q.device}, {kn} on "
+                             f"{k.device}, {vn} on {v.device}")
         scale = None
         if softmax_scale is not None and (not math.isfinite(softmax_scale) or softmax_scale <= 0):
             raise _scale_error(softmax_scale)
         if softmax_scale is not None and not math.isclose(softmax_scale, head_dim ** -0.5, rel_tol=1e-6):
             scale = float(softmax_scale)
-        kv_name = None
-        if kv_dtype != q.dtype:
-            if kv_dtype != torch.float8_e4m3fn:
-                raise SpecError(f"the KV cache's dtype {kv_dtype} differs from q's {q.dtype}; allowed: the same "
-                                "dtype, or torch.float8_e4m3fn with k_descale/v_descale")
-            kv_name = "fp8_e4m3"
+        kv_name = "fp8_e4m3" if kv_dtype != q.dtype else None  # the callers refused any other KV dtype
         if ks[-1] != head_dim:
-            raise SpecError(f"attnsel.{func}: q has head_dim {head_dim} but "
-                            f"{'k' if func == 'flash_attn_varlen_func' else 'k_cache'} has {ks[-1]} (they must be "
-                            "equal)")
+            raise SpecError(f"attnsel.{func}: q has head_dim {head_dim} but {kn} has {ks[-1]} (they must be equal)")
         try:
             spec = AttentionSpec(num_q_heads=qs[-2], num_kv_heads=ks[-2], head_dim=head_dim,
                                  dtype=dtype_name(q.dtype), page_size=page_size, causal=causal, softmax_scale=scale,
                                  sliding_window=window, softcap=softcap, sinks=sinks, kv_dtype=kv_name)
         except SpecError as exc:  # in the caller's terms: which tensors the fields came from
-            names = "k" if func == "flash_attn_varlen_func" else "k_cache"
-            raise SpecError(f"attnsel.{func}: q {tuple(qs)} and {names} {tuple(ks)} give no valid spec: {exc}",
+            raise SpecError(f"attnsel.{func}: q {tuple(qs)} and {kn} {tuple(ks)} give no valid spec: {exc}",
                             exc.field) from None
         # setdefault: of two threads making the first call of a key at once, both use the first one's entry
         found = _specs.setdefault(key, (spec, selection_for(spec, q.device), next(_numbers)))
