@@ -38,6 +38,7 @@ import os
 
 import torch
 
+from .backends.support import capturing as _capturing  # module attribute: the timing script stubs it
 from .selection import Selection, plan_is_current, select
 from .spec import AttentionSpec, SpecError, dtype_name
 
@@ -165,10 +166,6 @@ def _unit_stride(func: str, **tensors: torch.Tensor) -> None:
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(f"attnsel.{func}: {arg}'s last dimension must be contiguous (stride 1), got strides "
                              f"{tuple(t.stride())}; pass {arg}.contiguous()")
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _versions(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int] | None:

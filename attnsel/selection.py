@@ -453,17 +453,14 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
     return checked
 
 
-def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1hd: bool = False,
-                   native: bool = False) -> RunFn:
+def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1hd: bool = False) -> RunFn:
     """run(q, k_cache, v_cache, **features) with the tensors checked against the spec and plan (no sync). With
-    ``b1hd`` q and out are ``[batch, 1, heads, head_dim]``: passed as they are when the backend's run takes that
-    layout (``native``), else viewed as ``[batch, heads, head_dim]`` around the run."""
+    ``b1hd`` q must be ``[batch, 1, heads, head_dim]`` (run takes that layout, natively or through
+    ``viewed_b1hd``)."""
     hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
     dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
     plain = not (spec.sinks or spec.kv_dtype)
     q_shape = (batch, 1, hq, d) if b1hd else (batch, hq, d)
-    if b1hd and not native:
-        run = viewed_b1hd(run)
 
     def checked(q, k_cache, v_cache, **kwargs):
         try:
@@ -645,10 +642,11 @@ class Selection:
         backend = backends.get(name)
         run = backend.plan_decode(self.spec, page_table, seq_lens)
         b1hd = q_layout == "b1hd"
-        native = b1hd and backends.decode_takes_b1hd(backend)
+        if b1hd and not backends.decode_takes_b1hd(backend):
+            run = viewed_b1hd(run)
         if not checked:
-            return viewed_b1hd(run) if b1hd and not native else run
-        return checked_decode(run, self.spec, seq_lens.get_device(), batch, b1hd, native)
+            return run
+        return checked_decode(run, self.spec, seq_lens.get_device(), batch, b1hd)
 
     def to_json(self) -> dict:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,
