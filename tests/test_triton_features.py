@@ -216,38 +216,6 @@ def test_decode_all_features_page_5(splits, monkeypatch):
     _assert_close(out, ref)
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
-@pytest.mark.parametrize("kv_per,kv_heads,feats", [
-    (2, 2, {}), (2, 4, dict(kv_dtype="fp8_e4m3")), (4, 4, dict(sliding_window=23, softcap=3.0, sinks=True)),
-    (4, 4, dict(sliding_window=40, sinks=True, kv_dtype="fp8_e4m3")), (8, 4, {})],
-    ids=["2of2", "2of4-fp8", "4of4-window-softcap-sinks", "4of4-all-fp8", "8of4-halved"])
-def test_decode_wide_rows_several_kv_heads_per_program(kv_per, kv_heads, feats, splits, monkeypatch):
-    """KV_PER > 1: one program reads several KV heads' rows of a token at once, its dots block-diagonal. Each query
-    head must see only its own KV head (GROUP 2 or 4 query heads per KV head; a wrong column block would mix heads),
-    with every feature, garbage in unused slots and pages, zero-length rows zeros."""
-    seen = []
-    real = tb.kv_heads_per_program
-
-    def recording(spec, cfg):
-        seen.append(real(spec, cfg))
-        return seen[-1]
-
-    monkeypatch.setattr(tb, "decode_config", lambda d, fp8=False: tb.TileConfig(0, 32, 4, 1, kv_per))
-    monkeypatch.setattr(tb, "kv_heads_per_program", recording)
-    spec = AttentionSpec(8, kv_heads, 64, dtype="fp16", page_size=16, **feats)
-    out, ref = _decode(spec, splits, monkeypatch, sentinel=-1)
-    _assert_close(out, ref)
-    assert seen == [min(kv_per, kv_heads)]
-    assert out[0].abs().max().item() == 0 and out[4].abs().max().item() == 0
-
-
-def test_decode_wide_rows_fall_back_where_not_allowed():
-    cfg = tb.TileConfig(0, 32, 4, 1, 4)
-    assert tb.kv_heads_per_program(AttentionSpec(24, 6, 64, page_size=16), cfg) == 2  # 4 does not divide 6
-    assert tb.kv_heads_per_program(AttentionSpec(16, 8, 96, page_size=16), cfg) == 1  # head_dim not a power of 2
-    assert tb.kv_heads_per_program(AttentionSpec(8, 1, 128, page_size=16), cfg) == 1
-
-
 def test_decode_fp8_needs_scales():
     spec = _spec(kv_dtype="fp8_e4m3")
     case = decode_case(spec, CPU, [3], -1)
@@ -279,7 +247,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "tests.triton_compile_check"], capture_output=True, text=True,
                           env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("OK ") == 10
+    assert proc.stdout.count("OK ") == 8
 
 
 def test_version_changes_with_the_kernel_sources(tmp_path, monkeypatch):

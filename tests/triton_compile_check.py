@@ -30,7 +30,7 @@ def decode(dtype, kvdtype, **flags):
            "O_part": "*fp32", "LSE_part": "*fp32", "SINKS": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
            "scale_in": "fp32"}
     consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_N=64, SPLIT=True, BLOCK_B=64,
-                  WINDOW=0, SOFTCAP=0.0, HAS_SINKS=False, FP8=False, UPCAST=False, KV_PER=1)
+                  WINDOW=0, SOFTCAP=0.0, HAS_SINKS=False, FP8=False, UPCAST=False)
     consts.update(flags)
     return compile_(K.decode_kernel, sig, consts)
 
@@ -49,9 +49,6 @@ for name, thunk in [
     ("decode nosplit all fp8", lambda: decode("bf16", "fp8e4nv", SPLIT=False, WINDOW=4096, SOFTCAP=43.3,
                                               HAS_SINKS=True, FP8=True)),
     ("decode split all fp8", lambda: decode("fp16", "fp8e4nv", WINDOW=128, SOFTCAP=43.3, HAS_SINKS=True, FP8=True)),
-    ("decode split wide fp8", lambda: decode("bf16", "fp8e4nv", BLOCK_N=32, FP8=True, KV_PER=4)),
-    ("decode nosplit wide all", lambda: decode("bf16", "bf16", SPLIT=False, WINDOW=4096, SOFTCAP=43.3,
-                                               HAS_SINKS=True, KV_PER=2, BLOCK_G=16)),
     ("reduce sinks", lambda: reduce_(HAS_SINKS=True)),
     ("reduce", lambda: reduce_()),
 ]:

@@ -30,18 +30,6 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    kv_per_program: int = 1  # decode: KV heads one program reads (kernels.decode_kernel's KV_PER), where allowed
-
-
-def kv_heads_per_program(spec: AttentionSpec, cfg: TileConfig) -> int:
-    """decode_kernel's KV_PER for this spec: cfg.kv_per_program halved until it divides the KV heads; 1 where
-    head_dim is not a power of two (the wide rows need BLOCK_D == HEAD_DIM)."""
-    per = cfg.kv_per_program
-    if triton_next_pow2(spec.head_dim) != spec.head_dim:
-        return 1
-    while per > 1 and spec.num_kv_heads % per:
-        per //= 2
-    return max(per, 1)
 
 
 @functools.cache
@@ -189,8 +177,6 @@ class TritonBackend:
 
         cfg = decode_config(spec.head_dim, fp8=True) if spec.kv_dtype else decode_config(spec.head_dim)
         batch = seq_lens.numel()
-        kv_per = kv_heads_per_program(spec, cfg)
-        programs = spec.num_kv_heads // kv_per  # grid axis 1
         if support.capturing(seq_lens):
             # no host read during CUDA-graph capture: the longest row the page table holds, every row that long. The
             # grid has the splits rows of equal length need at any length; a ragged replay (one long row among short
@@ -205,10 +191,10 @@ class TritonBackend:
             max_len, total_len = torch.stack((spans.max().long(), spans.sum())).tolist() if batch else (1, 1)
         sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
                if seq_lens.device.type == "cuda" else None)
-        splits, target, min_chunk = decode_splits(batch, programs, max(max_len, 1), max(total_len, 1),
+        splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),
                                                   cfg.block_n, sms)
         block_d = triton_next_pow2(spec.head_dim)
-        block_g = max(16, triton_next_pow2(spec.group_size * kv_per))  # tl.dot needs M >= 16
+        block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
         device = seq_lens.device
         page_table = page_table.to(torch.int32)
@@ -237,7 +223,7 @@ class TritonBackend:
                 raise ValueError(f"triton decode: q has {q.numel()} elements, past 2^31 (32-bit offsets)")
             out = torch.empty_like(q)
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
-            decode_kernel[(batch, programs, splits)](
+            decode_kernel[(batch, spec.num_kv_heads, splits)](
                 q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, sinks,
                 k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, target, min_chunk, batch, heads,
                 q.stride(0), q.stride(-2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -246,7 +232,7 @@ class TritonBackend:
                 GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
                 PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
                 BLOCK_B=block_b, WINDOW=window, SOFTCAP=softcap,
-                HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast, KV_PER=kv_per,
+                HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if splits > 1:
                 decode_reduce_kernel[(batch, heads)](

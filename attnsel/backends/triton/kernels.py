@@ -160,16 +160,8 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
                   WINDOW: tl.constexpr,
-                  SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_PER: tl.constexpr):
-    """Grid (batch, num_kv_heads / KV_PER, num_splits): the query heads of KV_PER adjacent KV heads read each K/V
-    tile once.
-
-    KV_PER > 1 (BLOCK_D == HEAD_DIM) reads the KV_PER heads of a token as one row of KV_PER x HEAD_DIM elements,
-    contiguous in a [pages, page_size, kv_heads, head_dim] cache: an fp8 head row is only 128 bytes. The dots run
-    block-diagonally: q is laid out as [KV_PER x GROUP (padded to BLOCK_G), KV_PER x BLOCK_D] with each query head's
-    values in its own KV head's columns and zeros elsewhere, so q @ k^T gives each query head's scores against its
-    own KV head; p @ v computes every head's columns and only the diagonal blocks are stored.
+                  SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (batch, num_kv_heads, num_splits): the query heads of one KV head read each K/V tile once.
 
     Splits: the batch's tokens (every row's span summed, read from LENS by each program: a CUDA graph replayed at
     other lengths re-plans itself) are cut into chunks of max(min_chunk, total x kv_heads / target) tokens, so
@@ -179,9 +171,8 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
     ragged batch a long row gets more splits than a short one.
     """
     b = tl.program_id(0)
-    kv_head = tl.program_id(1) * KV_PER  # the first of the program's KV heads
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ROWS: tl.constexpr = GROUP * KV_PER  # query heads of the program
     seq_len = tl.load(LENS + b)
     lo = 0
     if WINDOW > 0:
@@ -198,30 +189,19 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
         if split >= used:  # nothing to read: an empty partial (the reduce skips it)
             heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
             tl.store(LSE_part + (b * num_heads + heads) * num_splits + split,
-                     tl.full([BLOCK_G], float("-inf"), tl.float32), mask=tl.arange(0, BLOCK_G) < ROWS)
+                     tl.full([BLOCK_G], float("-inf"), tl.float32), mask=tl.arange(0, BLOCK_G) < GROUP)
             return
     per_split = tl.cdiv(tl.cdiv(span, used), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < ROWS
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
-    if KV_PER == 1:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
-        kv_cols = offs_d
-        vv_cols = offs_d
-        q_mask = g_mask[:, None] & d_mask[None, :]
-    else:  # columns c: KV head kv_head + c // HEAD_DIM, dimension c % HEAD_DIM (BLOCK_D == HEAD_DIM)
-        offs_c = tl.arange(0, KV_PER * BLOCK_D)
-        col_head = offs_c // BLOCK_D
-        offs_d = offs_c % BLOCK_D
-        d_mask = offs_d < HEAD_DIM
-        kv_cols = col_head * stride_kh + offs_d
-        vv_cols = col_head * stride_vh + offs_d
-        q_mask = g_mask[:, None] & ((offs_g // GROUP)[:, None] == col_head[None, :])  # the diagonal blocks
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     elif FP8:  # e4m3 -> fp16 is one cvt per pair on Hopper (-> bf16 costs a second one): dots in fp16
@@ -230,7 +210,7 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
         scale_in = scale_in * tl.load(K_SCALE)  # real k = stored k * k_scale
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, KV_PER * BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     K += kv_head * stride_kh
     V += kv_head * stride_vh
     PT += b * stride_ptb
@@ -240,9 +220,9 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
         page = tl.load(PT + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
         slot = t % PAGE_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_cols[None, :], mask=kv_mask,
+        k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
                     other=0.0)
-        v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vs + vv_cols[None, :], mask=kv_mask,
+        v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
                     other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
@@ -261,7 +241,7 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
         m_i = m_new
     if FP8:
         acc = acc * tl.load(V_SCALE)
-    out_mask = q_mask  # a query head's own columns (KV_PER > 1: the rest hold other heads' values)
+    out_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(O_part + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
