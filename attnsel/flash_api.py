@@ -39,7 +39,7 @@ import os
 import torch
 
 from .backends.support import capturing as _capturing  # module attribute: the timing script stubs it
-from .selection import Selection, plan_is_current, select
+from .selection import Selection, select
 from .spec import AttentionSpec, SpecError, dtype_name
 
 log = logging.getLogger(__name__)
@@ -186,12 +186,13 @@ def _versions(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int] | None:
 def _cached_plan(slot: tuple, a: torch.Tensor, b: torch.Tensor, host: tuple, capturing: bool):
     """The plan stored for ``slot`` (phase, spec number) if it was made outside capture from these very metadata
     tensors a, b at their current versions and these host values, and is still current (a plan made since by anyone
-    on the same backend state, e.g. a plugin with one plan per wrapper, makes it stale); else None."""
-    entry = _plans.get(slot)
-    if (not capturing and entry is not None and entry[0] is a and entry[1] is b and entry[2] is not None
-            and entry[2] == _versions(a, b) and entry[3] == host and entry[4] is False
-            and plan_is_current(entry[5][1] if isinstance(entry[5], tuple) else entry[5])):
-        return entry[5]
+    on the same backend state, e.g. a plugin with one plan per wrapper, makes it stale); else None.
+    An entry is (a, b, a's version, b's version, host, the run's ``current`` check or None, plan); the versions are
+    None for a plan made during capture or from tensors without version counters: never reused."""
+    e = _plans.get(slot)
+    if (e is not None and e[0] is a and e[1] is b and e[2] is not None and not capturing and e[2] == a._version
+            and e[3] == b._version and e[4] == host and (e[5] is None or e[5]())):
+        return e[6]
     return None
 
 
@@ -199,7 +200,10 @@ def _store_plan(slot: tuple, a: torch.Tensor, b: torch.Tensor, versions: tuple[i
                 capturing: bool, plan):
     """Keep a new plan for ``slot`` with the metadata's versions read before planning (holding the tensors keeps
     their ids unique) and return it."""
-    _plans[slot] = (a, b, versions, host, capturing, plan)
+    va, vb = (None, None) if capturing or versions is None else versions
+    run = plan[1] if isinstance(plan, tuple) else plan
+    current = getattr(run, "current", None)
+    _plans[slot] = (a, b, va, vb, host, (lambda: bool(current())) if current is not None else None, plan)
     if capturing:  # a CUDA graph replays this plan's buffers: keep the plan as long as the process (graphs included)
         _captured.append(plan)
     return plan
