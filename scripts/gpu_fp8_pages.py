@@ -33,18 +33,21 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--pages", default="16,64,256")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--refs", default="flashinfer,flashinfer_cuda_cores,fa3,fa3_packgqa",
+                    help="library backends timed beside Triton")
+    ap.add_argument("--tiles", default="128-4-3,128-8-3,64-4-4",
+                    help="Triton decode tiles tried on the fp8 cache: BLOCK_N-warps-stages, comma-separated")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
     for page in map(int, args.pages.split(",")):
         for kv in (None, "fp8_e4m3"):
             spec = AttentionSpec(32, 8, 128, "bf16", page, kv_dtype=kv)
-            cands = {n: get(n) for n in ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa")
-                     if not get(n).unsupported(spec, "decode", dev)}
+            cands = {n: get(n) for n in args.refs.split(",") if n and not get(n).unsupported(spec, "decode", dev)}
             cands["triton"] = tb.BACKEND
             if kv:
-                for cfg in ((128, 4, 3), (128, 8, 3), (64, 4, 4)):
-                    cands["triton-cfg" + "-".join(map(str, cfg))] = Variant(cfg=cfg)
+                for tile in filter(None, args.tiles.split(",")):
+                    cands["triton-cfg" + tile] = Variant(cfg=tuple(map(int, tile.split("-"))))
             row = cell(spec, (BATCH, CTX), cands, dev, args.reps)
             nbytes = BATCH * CTX * 8 * 128 * 2 * (1 if kv else 2)
             row.update(page=page, cache_bytes=nbytes, tbps={n: nbytes / (t * 1e-6) / 1e12 for n, t in row["us"].items()})

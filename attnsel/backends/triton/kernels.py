@@ -229,7 +229,7 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
             v = v.to(tl.float32)
         elif FP8:
             k = k.to(tl.float16)
-            v = v.to(tl.float16)
+            v = tl.where(t_mask[:, None], v.to(tl.float16), 0.0)
         qk = _scores(tl.dot(q, tl.trans(k)), scale_in, SOFTCAP)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
