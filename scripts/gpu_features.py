@@ -94,12 +94,12 @@ def triton_config_sweep(case) -> list:
         w = make_decode(spec, batch, ctx, seed=2)
         refs = reference_rows(spec, w)
         for cfg in [None, (0, 64, 4, 4), (0, 128, 4, 3), (0, 128, 8, 3), (0, 128, 4, 4), (0, 256, 8, 3)]:
-            tb.decode_config = current if cfg is None else (lambda d, fp8=False, c=cfg: tb.TileConfig(*c))
+            tb.decode_config = current if cfg is None else (lambda d, c=cfg: tb.TileConfig(*c))
             try:
                 r = time_backend("triton", spec, w, refs)
             finally:
                 tb.decode_config = current
-            label = (list(tb.decode_config(spec.head_dim, fp8=kv_dtype is not None).__dict__.values()) if cfg is None
+            label = (list(tb.decode_config(spec.head_dim).__dict__.values()) if cfg is None
                      else list(cfg))
             row = {"kv_dtype": kv_dtype or "bf16", "config": label, "current": cfg is None, **r}
             rows.append(row)

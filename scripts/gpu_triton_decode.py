@@ -49,7 +49,7 @@ class Variant:
         attrs = {}
         base_splits = tb.decode_splits
         if self.cfg:
-            attrs["decode_config"] = lambda head_dim, fp8=False, c=self.cfg: tb.TileConfig(0, *c)
+            attrs["decode_config"] = lambda head_dim, c=self.cfg: tb.TileConfig(0, *c)
         if self.per_sm:
             attrs["SPLIT_PROGRAMS_PER_SM"] = self.per_sm
         if self.splits:

@@ -55,13 +55,13 @@ def prefill_config(head_dim: int) -> TileConfig:
     return TileConfig(64, 32, 4, 2)
 
 
-def decode_config(head_dim: int, fp8: bool = False) -> TileConfig:
+def decode_config(head_dim: int) -> TileConfig:
     if interpreted():
         return TileConfig(0, 32, 4, 1)
-    if fp8 and head_dim <= 128:
-        return TileConfig(0, 128, 4, 3)  # H200 2026-12-03: 64x8192 fp8 530.8 us vs 668.7 us with BLOCK_N 64
-    if head_dim <= 128:
-        return TileConfig(0, 64, 4, 4)  # H200 sweep 2026-12-02: 4.38 TB/s at 64x4096 (bench/results)
+    if head_dim <= 128:  # H200 sweep 2026-12-02: 4.38 TB/s at 64x4096 (bench/results). fp8 (2026-12-04-round9):
+        # 2.46-2.48 TB/s at 64x8192, BLOCK_N 128 2.43 (before V's fp16 conversion moved ahead of its layout change,
+        # BLOCK_N 64 reached only 1.83)
+        return TileConfig(0, 64, 4, 4)
     return TileConfig(0, 32, 4, 2)
 
 
@@ -175,7 +175,7 @@ class TritonBackend:
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         from .kernels import decode_kernel, decode_reduce_kernel
 
-        cfg = decode_config(spec.head_dim, fp8=True) if spec.kv_dtype else decode_config(spec.head_dim)
+        cfg = decode_config(spec.head_dim)
         batch = seq_lens.numel()
         if support.capturing(seq_lens):
             # no host read during CUDA-graph capture: the longest row the page table holds, every row that long. The
