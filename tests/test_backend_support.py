@@ -35,7 +35,8 @@ def hopper_with_libraries(monkeypatch):
     """flash_attn_interface and flashinfer 'installed'; cuda:0 is an H200 (9.0), cuda:1 an A100 (8.0)."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name in ("flash_attn_interface", "flashinfer") else real(name, *a))
+                        lambda name, *a: object() if name in ("flash_attn_interface", "flashinfer", "flashinfer.xqa")
+                        else real(name, *a))
     config = types.ModuleType("flash_attn_config")
     config.CONFIG = {"build_flags": FA3_FLAGS}
     monkeypatch.setitem(sys.modules, "flash_attn_config", config)
@@ -72,6 +73,7 @@ def test_every_feature_is_served_or_named(name, feature, hopper_with_libraries):
     ("flashinfer_fa3", "decode", "sinks", "trtllm-gen"),
     ("flashinfer_cuda_cores", "decode", "sinks", "trtllm-gen"),
     ("flashinfer_fa3", "decode", "kv_dtype", "needs fp8 queries"),
+    ("flashinfer_xqa", "decode", "softcap", "XQA has no logit softcap"),
 ])
 def test_library_limits_are_named_with_their_cause(name, phase, feature, why, hopper_with_libraries):
     fields, words = FEATURES[feature]
@@ -80,9 +82,12 @@ def test_library_limits_are_named_with_their_cause(name, phase, feature, why, ho
 
 
 @pytest.mark.parametrize("name, phase", [("fa3", "prefill"), ("fa3", "decode"), ("triton", "decode"),
-                                         ("flashinfer", "decode"), ("flashinfer", "prefill")])
+                                         ("flashinfer", "decode"), ("flashinfer", "prefill"),
+                                         ("flashinfer_xqa", "decode")])
 def test_implemented_features_are_not_declined(name, phase, hopper_with_libraries):
     fields = {"sliding_window": 64, "kv_dtype": "fp8_e4m3"}
+    if name == "flashinfer_xqa":
+        fields.update(sinks=True)
     if name == "triton":
         fields.update(softcap=30.0, sinks=True)
     assert _reason(name, phase, **fields) is None
@@ -101,10 +106,10 @@ def test_prefill_ignores_kv_dtype(hopper_with_libraries):
     assert _reason("flashinfer_fa2", "prefill", kv_dtype="fp8_e4m3") is None
 
 
-@pytest.mark.parametrize("name", ["fa3", "flashinfer_fa2", "flashinfer_fa3"])
+@pytest.mark.parametrize("name", ["fa3", "flashinfer_fa2", "flashinfer_fa3", "flashinfer_xqa"])
 def test_capability_is_that_of_the_device_asked_about(name, hopper_with_libraries):
     spec = AttentionSpec(32, 8, 128)
-    phase = "decode" if name == "flashinfer_fa3" else "prefill"
+    phase = "decode" if name in ("flashinfer_fa3", "flashinfer_xqa") else "prefill"
     assert get(name).unsupported(spec, phase, device=torch.device("cuda:0")) is None
     reason = get(name).unsupported(spec, phase, device=torch.device("cuda:1"))
     assert reason is not None and "found 8.0" in reason
@@ -119,8 +124,23 @@ def test_triton_capability_is_that_of_the_device_asked_about(hopper_with_librari
     assert reason == "needs CUDA compute capability >= 8.0, found 7.5"
 
 
+def test_xqa_limits(hopper_with_libraries, monkeypatch):
+    """FlashInfer 0.6.4's XQA JIT accepts pages of 16-128 tokens and head_dim multiples of 16 up to 256; a
+    flashinfer without the module is named."""
+    assert _reason("flashinfer_xqa", "decode") is None
+    assert "page_size 8 is not supported" in get("flashinfer_xqa").unsupported(AttentionSpec(32, 8, 128, page_size=8),
+                                                                               "decode")
+    assert "head_dim 72 is not supported" in get("flashinfer_xqa").unsupported(AttentionSpec(32, 8, 72), "decode")
+    assert _reason("flashinfer_xqa", "prefill").startswith("this variant differs from flashinfer only in decode")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashinfer.xqa" else (object() if name == "flashinfer"
+                                                                                 else real(name, *a)))
+    assert "has no XQA module" in _reason("flashinfer_xqa", "decode")
+
+
 def test_flashinfer_facts_for_the_generic_layers():
-    for name in ("flashinfer", "flashinfer_cuda_cores", "flashinfer_fa2", "flashinfer_fa3"):
+    for name in ("flashinfer", "flashinfer_cuda_cores", "flashinfer_fa2", "flashinfer_fa3", "flashinfer_xqa"):
         backend = get(name)
         assert "JIT-compiles" in backend.first_use_note
         assert backend.report_extras()["flashinfer_jit_dir"].endswith("flashinfer")

@@ -71,7 +71,7 @@ def test_graph_mode_without_cuda_exits_3_naming_the_flag(capsys):
     (["--num-heads", "8"], "missing --head-dim"),
     (["--num-heads", "8", "--head-dim", "64", "--llm_prefill_att_backend", "fast"],
      "--llm_prefill_att_backend: unknown backend 'fast'; valid: auto, fa3, flashinfer, flashinfer_cuda_cores, "
-     "triton, torch, fa3_packgqa, fa3_split, flashinfer_fa2, flashinfer_fa3"),
+     "triton, torch, fa3_packgqa, fa3_split, flashinfer_fa2, flashinfer_fa3, flashinfer_xqa"),
     (["--num-heads", "8", "--head-dim", "64", "--decode-priority", "torch,nope"], "unknown backend 'nope'"),
     (["--num-heads", "8", "--head-dim", "64", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
 ])
@@ -210,7 +210,7 @@ def test_one_kind_configs_keep_the_single_object_json(capsys):
      "attnsel: error: --num-heads (30) must be a multiple of the config's num_kv_heads (8)"),
     (["--num-heads", "8", "--head-dim", "64", "--prefill-priority", "tritn"],
      "attnsel: error: --prefill-priority: unknown backend 'tritn'; valid: fa3, flashinfer, flashinfer_cuda_cores, "
-     "triton, torch, fa3_packgqa, fa3_split, flashinfer_fa2, flashinfer_fa3"),
+     "triton, torch, fa3_packgqa, fa3_split, flashinfer_fa2, flashinfer_fa3, flashinfer_xqa"),
     (["--num-heads", "8", "--head-dim", "64", "--sliding-window", "0"],
      "attnsel: error: --sliding-window must be a positive number of tokens (leave the flag out for no window), got 0"),
 ])
@@ -252,7 +252,7 @@ def test_environment_backend_error_names_the_variable(capsys, monkeypatch):
     assert code == 2
     assert err.strip() == ("attnsel: error: ATTNSEL_DECODE_BACKEND=bogus (environment variable): unknown backend "
                            "'bogus'; valid: auto, fa3, flashinfer, flashinfer_cuda_cores, triton, torch, fa3_packgqa, "
-                           "fa3_split, flashinfer_fa2, flashinfer_fa3")
+                           "fa3_split, flashinfer_fa2, flashinfer_fa3, flashinfer_xqa")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")  # the variable still sets the default; the flag wins
     code, out, _ = run(capsys, "select", *SMALL, "--llm_prefill_att_backend", "torch", "-q")
     assert out.splitlines() == ["prefill: torch (explicit)", "decode: torch (explicit)"]

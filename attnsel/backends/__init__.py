@@ -39,6 +39,7 @@ BUILTINS: dict[str, str] = {
     "fa3_split": "attnsel.backends.fa3:BACKEND_SPLIT",
     "flashinfer_fa2": "attnsel.backends.flashinfer:BACKEND_FA2",
     "flashinfer_fa3": "attnsel.backends.flashinfer:BACKEND_FA3",
+    "flashinfer_xqa": "attnsel.backends.flashinfer_xqa:BACKEND",
 }
 ENV_PLUGINS = "ATTNSEL_BACKENDS"
 ENTRY_POINT_GROUP = "attnsel.backends"
