@@ -32,7 +32,7 @@ TIE = 0.01  # measured within 1% of the fastest: priority order decides. H200 20
 # (--prefill-priority / --decode-priority): each is a further JIT build of about two minutes on a fresh machine.
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
     "prefill": ("fa3", "flashinfer", "fa3_split", "fa3_packgqa", "triton", "torch"),
-    "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "torch"),
+    "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "flashinfer_xqa", "triton", "torch"),
 }
 
 

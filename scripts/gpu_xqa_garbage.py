@@ -36,7 +36,7 @@ def main() -> None:
                     q, k_cache, v_cache = case.inputs
                     if garbage == "zero":  # every slot that is not a token of some row: 0 instead of NaN
                         for c in (k_cache, v_cache):
-                            c.view(torch.uint8)[torch.isnan(c.float())] = 0
+                            c.view(torch.uint8 if c.element_size() == 1 else torch.int16)[torch.isnan(c.float())] = 0
                     run = get("flashinfer_xqa").plan_decode(spec, *case.plan_args)
                     out = run(*case.inputs, **case.kwargs).float()
                     torch.cuda.synchronize()
