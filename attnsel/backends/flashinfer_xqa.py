@@ -87,9 +87,11 @@ class XQABackend:
         batch = lens.numel()
         max_seq_len = page_table.shape[1] * spec.page_size
         # zero-length rows (CUDA-graph padding) are zeros by contract: masked when the plan has such rows (read on
-        # the host), or always during capture, where no host read is allowed
-        empty_rows = (lens == 0)[:, None, None] if batch else None
-        if empty_rows is not None and not capturing(lens):
+        # the host), or, for a plan made during capture (no host read allowed), on every run from the lengths then
+        mask_each_run = batch > 0 and capturing(lens)
+        empty_rows = None
+        if batch and not mask_each_run:
+            empty_rows = (lens == 0)[:, None, None]
             empty_rows = empty_rows if bool(empty_rows.any()) else None
         workspace = _workspace(device, workspace_bytes())
         window_left = spec.sliding_window - 1 if spec.sliding_window is not None else -1
@@ -112,7 +114,9 @@ class XQABackend:
             out = xqa_batch_decode_with_kv_cache(q.contiguous(), (k_cache, v_cache), workspace, page_table, lens_u32,
                                                  max_seq_len, bmm1_scale=bmm1, bmm2_scale=bmm2,
                                                  window_left=window_left, sinks=sinks, kv_layout="NHD")
-            if empty_rows is not None:
+            if mask_each_run:
+                out = out.masked_fill((lens == 0)[:, None, None], 0.0)
+            elif empty_rows is not None:
                 out = out.masked_fill(empty_rows, 0.0)
             return out
 
