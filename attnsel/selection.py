@@ -32,7 +32,7 @@ TIE = 0.01  # measured within 1% of the fastest: priority order decides. H200 20
 # (--prefill-priority / --decode-priority): each is a further JIT build of about two minutes on a fresh machine.
 # flashinfer_xqa is opt-in too: on the H200 under CUDA graphs it won the batch-1..16 buckets on uniform contexts but
 # was 1.85x slower than Triton on a ragged batch (one 9000-token row among short ones) and 1.04-1.13x on long
-# contexts, so the table lost (17 of 25 bench cells within 3% instead of 23; bench/results/2026-12-04-round9).
+# contexts, so the table lost (17 of 25 bench cells within 3%; 22 in round 6 without it; bench/results/2026-12-04-round9).
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
     "prefill": ("fa3", "flashinfer", "fa3_split", "fa3_packgqa", "triton", "torch"),
     "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "torch"),

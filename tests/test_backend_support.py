@@ -86,8 +86,8 @@ def test_library_limits_are_named_with_their_cause(name, phase, feature, why, ho
                                          ("flashinfer_xqa", "decode")])
 def test_implemented_features_are_not_declined(name, phase, hopper_with_libraries):
     fields = {"sliding_window": 64, "kv_dtype": "fp8_e4m3"}
-    if name == "flashinfer_xqa":
-        fields.update(sinks=True)
+    if name == "flashinfer_xqa":  # its fp8 path is declined on Hopper (test_xqa_limits)
+        fields = {"sliding_window": 64, "sinks": True}
     if name == "triton":
         fields.update(softcap=30.0, sinks=True)
     assert _reason(name, phase, **fields) is None
@@ -124,7 +124,7 @@ def test_triton_capability_is_that_of_the_device_asked_about(hopper_with_librari
     assert reason == "needs CUDA compute capability >= 8.0, found 7.5"
 
 
-def test_xqa_limits(hopper_with_libraries, monkeypatch):
+def test_xqa_limits(hopper_with_libraries, monkeypatch, tmp_path):
     """FlashInfer 0.6.4's XQA JIT accepts pages of 16-128 tokens and head_dim multiples of 16 up to 256; a
     flashinfer without the module is named."""
     assert _reason("flashinfer_xqa", "decode") is None
@@ -132,11 +132,22 @@ def test_xqa_limits(hopper_with_libraries, monkeypatch):
                                                                                "decode")
     assert "head_dim 72 is not supported" in get("flashinfer_xqa").unsupported(AttentionSpec(32, 8, 72), "decode")
     assert _reason("flashinfer_xqa", "prefill").startswith("this variant differs from flashinfer only in decode")
+    fp8 = get("flashinfer_xqa").unsupported(AttentionSpec(32, 8, 128, kv_dtype="fp8_e4m3"), "decode",
+                                            device=torch.device("cuda:0"))
+    assert "fp8_e4m3 KV cache: not supported in decode" in fp8 and "unused slots" in fp8
+    CAPS["cuda:3"] = (10, 0)  # Blackwell: another fp8 kernel, left to the validation
+    try:
+        assert get("flashinfer_xqa").unsupported(AttentionSpec(32, 8, 128, kv_dtype="fp8_e4m3"), "decode",
+                                                 device=torch.device("cuda:3")) is None
+    finally:
+        del CAPS["cuda:3"]
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "flashinfer.xqa" else (object() if name == "flashinfer"
-                                                                                 else real(name, *a)))
+    package = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])  # a flashinfer without xqa.py
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: package if name == "flashinfer"
+                        else real(name, *a))
     assert "has no XQA module" in _reason("flashinfer_xqa", "decode")
+    (tmp_path / "xqa.py").write_text("")
+    assert _reason("flashinfer_xqa", "decode") is None
 
 
 def test_flashinfer_facts_for_the_generic_layers():

@@ -31,7 +31,7 @@ def fake_xqa(monkeypatch):
     decode.xqa_batch_decode_with_kv_cache = xqa_batch_decode_with_kv_cache
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     monkeypatch.setitem(sys.modules, "flashinfer.decode", decode)
-    monkeypatch.setattr(xqa, "_workspace", lambda device, nbytes: torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(xqa, "_workspaces", {})
     return calls
 
 
@@ -101,10 +101,11 @@ def test_fp8_needs_scales_and_sinks_need_the_spec(fake_xqa):
 def test_plan_during_capture_masks_without_reading_the_lengths(fake_xqa, monkeypatch):
     """During CUDA-graph capture the plan may not read the lengths on the host: it masks zero-length rows on the
     device on every run (a replay may bring such rows)."""
-    monkeypatch.setattr(xqa, "capturing", lambda t: True)
     spec = AttentionSpec(8, 2, 64, "bf16", 16)
     q, cache, table = _inputs(spec)
     lens = torch.tensor([3, 9, 1], dtype=torch.int32)
+    xqa.BACKEND.plan_decode(spec, table, lens)  # a first plan outside capture makes the workspace
+    monkeypatch.setattr(xqa, "capturing", lambda t: True)
     real_bool = torch.Tensor.__bool__
 
     def no_host_read(self):
@@ -124,3 +125,44 @@ def test_prefill_is_refused():
     with pytest.raises(NotImplementedError, match="decode only"):
         xqa.BACKEND.plan_prefill(AttentionSpec(8, 2, 64), torch.zeros(2, dtype=torch.int32),
                                  torch.zeros(2, dtype=torch.int32), 1, 1)
+
+
+def test_empty_batch_never_reaches_xqa(fake_xqa):
+    """XQA's launcher divides by the batch size (a crash of the process, not an exception)."""
+    spec = AttentionSpec(8, 2, 64, "bf16", 16)
+    q, cache, table = _inputs(spec, batch=0)
+    out = xqa.BACKEND.plan_decode(spec, table, torch.zeros(0, dtype=torch.int32))(q, cache, cache)
+    assert out.shape == (0, 8, 64) and not fake_xqa
+
+
+def test_tensors_read_through_raw_pointers_must_be_on_q_device(fake_xqa):
+    spec = AttentionSpec(8, 2, 64, "bf16", 16, sinks=True)
+    q, cache, table = _inputs(spec)
+    run = xqa.BACKEND.plan_decode(spec, table, torch.tensor([3, 9, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="sinks must be on q's device cpu, got meta"):
+        run(q, cache, cache, sinks=torch.zeros(8, device="meta"))
+    spec8 = AttentionSpec(8, 2, 64, "bf16", 16, kv_dtype="fp8_e4m3")
+    q, cache, table = _inputs(spec8)
+    run = xqa.BACKEND.plan_decode(spec8, table, torch.tensor([3, 9, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="k_scale and v_scale must be on q's device"):
+        run(q, cache, cache, k_scale=torch.ones(1, device="meta"), v_scale=torch.ones(1))
+    assert not fake_xqa
+
+
+def test_workspace_is_zeroed_once_outside_capture_and_large_enough(fake_xqa, monkeypatch):
+    spec = AttentionSpec(8, 2, 64, "bf16", 16)
+    q, cache, table = _inputs(spec)
+    lens = torch.tensor([3, 9, 1], dtype=torch.int32)
+    monkeypatch.setattr(xqa, "capturing", lambda t: True)
+    with pytest.raises(RuntimeError, match="run one decode step with it before capturing"):
+        xqa.BACKEND.plan_decode(spec, table, lens)  # the first plan on the device, during capture
+    monkeypatch.setattr(xqa, "capturing", lambda t: False)
+    xqa.BACKEND.plan_decode(spec, table, lens)(q, cache, cache)
+    workspace = fake_xqa[-1]["workspace"]
+    assert workspace.dtype == torch.uint8 and workspace.numel() == 128 << 20 and workspace.max().item() == 0
+    monkeypatch.setattr(xqa, "capturing", lambda t: True)  # now made: a plan during capture reuses it
+    xqa.BACKEND.plan_decode(spec, table, lens)(q, cache, cache)
+    assert fake_xqa[-1]["workspace"] is workspace
+    monkeypatch.setenv("ATTNSEL_FLASHINFER_WORKSPACE_MB", "8")
+    with pytest.raises(ValueError, match="at least 16"):
+        xqa.BACKEND.plan_decode(spec, table, lens)

@@ -2,22 +2,30 @@
 xqa_batch_decode_with_kv_cache``), a decode-only candidate on Hopper (sm90) and later.
 
 XQA takes the caches as attnsel does (``[num_pages, page_size, kv_heads, head_dim]``, one page table for K and V)
-and reads seq_lens on the device at run time (as uint32: a view of our int32 lengths, so in-place updates reach it),
-so its plan does nothing on the host and can be made during CUDA-graph capture. With an fp8 e4m3 cache it runs
-FlashInfer's sm90 fp8 kernel (queries quantised inside it); k_scale folds into the score scale and v_scale into the
-output, both as device tensors (no host read). Sliding window (``window_left = w - 1``) and sinks (per query head,
-natural-log logits, given to XQA per KV head and group) are XQA's own; it has no logit softcap.
+and reads seq_lens on the device at run time (as uint32: a view of our int32 lengths, so in-place updates reach it).
+Its plan reads the lengths on the host only to know whether zero-length rows need masking, and not at all during
+CUDA-graph capture (it then masks on every run). k_scale folds into the score scale and v_scale into the output,
+both as device tensors (no host read). Sliding window (``window_left = w - 1``) and sinks (per query head,
+natural-log logits, given to XQA per KV head and group) are XQA's own; it has no logit softcap. An fp8 cache is
+declined on Hopper: FlashInfer 0.6.4's sm90 fp8 kernel reads the unused slots of a sequence's last page (NaN there
+gives NaN rows) and quantises the queries to fp8 (errors 0.054-0.10 against tolerances of 0.042-0.066 with those
+slots zeroed; H200, bench/results/2026-12-04-round9). XQA splits every sequence into
+max(1, SMs / (batch x kv_heads)) parts whatever its length, so a ragged batch (one long row among short ones) runs
+its long row on few parts (1.85x slower than Triton there on the H200).
 
 Limits (FlashInfer 0.6.4, flashinfer/jit/xqa.py): q fp16 or bf16; page size 16, 32, 64 or 128; head_dim a multiple
 of 16 up to 256; compute capability 9.x, 10.x or 12.x. Its workspace holds semaphores that must start at zero and a
 scratch area for split-K partial results: one zeroed buffer per device (ATTNSEL_FLASHINFER_WORKSPACE_MB, default
-128), separate from the wrappers' workspace; runs go on one stream (as the FlashInfer wrappers' do). Each
-(dtype, cache dtype, page size, head_dim, group size, window or not) is its own JIT module: minutes on first use.
+128, at least 16 here: XQA keeps its first 8 MiB for semaphores), separate from the wrappers' workspace, made outside
+CUDA-graph capture (zeros recorded in a graph would only be written at its first replay); runs go on one stream (as
+the FlashInfer wrappers' do). Each
+(dtype, cache dtype, page size, head_dim, group size, window or not) is its own JIT module (its GPU tests, build
+included, took 14-15 s each on the H200).
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
+import os
 
 import torch
 
@@ -28,23 +36,50 @@ from .flashinfer import jit_cache_dir, workspace_bytes
 from .support import capability_reason, capturing, dtype_reason, feature_reasons, joined
 
 PAGE_SIZES = (16, 32, 64, 128)
+MIN_WORKSPACE = 16 << 20  # XQA reserves the first 8 MiB for semaphores; the rest holds split-K partial results
+FP8_WHY = ("FlashInfer's sm90 fp8 XQA kernel reads the unused slots of a sequence's last page and quantises q: NaN "
+           "rows and errors over tolerance on the H200, bench/results/2026-12-04-round9")
 
 
-@functools.cache
-def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+_workspaces: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, nbytes: int, during_capture: bool) -> torch.Tensor:
+    """The device's zeroed XQA workspace, made on the first plan outside CUDA-graph capture (inside, the zeroing would
+    be recorded into the graph and run only at its first replay, leaving garbage semaphores for anything before)."""
+    if nbytes < MIN_WORKSPACE:
+        raise ValueError(f"flashinfer_xqa needs ATTNSEL_FLASHINFER_WORKSPACE_MB of at least {MIN_WORKSPACE >> 20} "
+                         f"(XQA keeps the first 8 MiB for semaphores), got {nbytes >> 20}")
+    key = (str(device), nbytes)
+    found = _workspaces.get(key)
+    if found is None:
+        if during_capture:
+            raise RuntimeError("flashinfer_xqa: its workspace is made by the first plan outside CUDA-graph capture; "
+                               "run one decode step with it before capturing")
+        found = _workspaces.setdefault(key, torch.zeros(nbytes, dtype=torch.uint8, device=device))
+    return found
 
 
 def _has_xqa() -> bool:
+    """Whether the installed flashinfer has its xqa module, without importing flashinfer (find_spec of a submodule
+    imports the package: seconds, in the selecting process)."""
     try:
-        return importlib.util.find_spec("flashinfer.xqa") is not None
-    except (ImportError, ValueError):  # the parent package fails to import
+        spec = importlib.util.find_spec("flashinfer")
+    except (ImportError, ValueError):
         return False
+    locations = getattr(spec, "submodule_search_locations", None) if spec is not None else None
+    if locations is None:
+        return spec is not None  # not a regular package on disk (e.g. faked in tests): assume present
+    return any(os.path.exists(os.path.join(loc, "xqa.py")) for loc in locations)
+
+
+def _is_hopper(device: torch.device | None) -> bool:
+    return capability_reason("9.x", lambda cap: cap[0] == 9, device) is None
 
 
 class XQABackend:
     name = "flashinfer_xqa"
-    first_use_note = "first use JIT-compiles FlashInfer's XQA kernels: minutes on a fresh machine"
+    first_use_note = "first use JIT-compiles FlashInfer's XQA kernels (seconds per configuration on the H200)"
 
     def version(self) -> str | None:
         return package_version("flashinfer-python")
@@ -69,8 +104,11 @@ class XQABackend:
                            f"{', '.join(map(str, PAGE_SIZES))})")
         if spec.head_dim % 16 or spec.head_dim > 256:
             reasons.append(f"head_dim {spec.head_dim} is not supported (multiples of 16 up to 256)")
-        reasons += feature_reasons(spec, phase, {"sliding_window", "sinks", "kv_dtype", "non_causal"},
-                                   {"softcap": "XQA has no logit softcap"})
+        supported, why = {"sliding_window", "sinks", "kv_dtype", "non_causal"}, {"softcap": "XQA has no logit softcap"}
+        if spec.kv_dtype is not None and _is_hopper(device):
+            supported.discard("kv_dtype")
+            why["kv_dtype"] = FP8_WHY
+        reasons += feature_reasons(spec, phase, supported, why)
         return joined(reasons)
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -93,7 +131,7 @@ class XQABackend:
         if batch and not mask_each_run:
             empty_rows = (lens == 0)[:, None, None]
             empty_rows = empty_rows if bool(empty_rows.any()) else None
-        workspace = _workspace(device, workspace_bytes())
+        workspace = _workspace(device, workspace_bytes(), capturing(lens))
         window_left = spec.sliding_window - 1 if spec.sliding_window is not None else -1
         scale, fp8 = spec.scale, spec.kv_dtype is not None
 
@@ -102,6 +140,8 @@ class XQABackend:
             if spec.sinks:
                 if sinks is None or sinks.shape != (spec.num_q_heads,) or sinks.dtype != torch.float32:
                     raise ValueError(f"spec.sinks needs sinks: a float32 tensor [num_q_heads={spec.num_q_heads}]")
+                if sinks.device != q.device:  # XQA reads it through a raw pointer: a host tensor would fault
+                    raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
                 sinks = sinks.contiguous()
             elif sinks is not None:
                 raise ValueError("sinks were passed but the spec has sinks=False")
@@ -110,7 +150,12 @@ class XQABackend:
                 if k_scale is None or v_scale is None:
                     raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element "
                                      "tensors)")
+                if k_scale.device != q.device or v_scale.device != q.device:  # read through raw pointers
+                    raise ValueError(f"k_scale and v_scale must be on q's device {q.device}, got {k_scale.device} "
+                                     f"and {v_scale.device}")
                 bmm1, bmm2 = k_scale.float().reshape(1) * scale, v_scale.float().reshape(1)
+            if batch == 0:  # XQA's launcher divides by the batch size
+                return q.new_empty(q.shape)
             out = xqa_batch_decode_with_kv_cache(q.contiguous(), (k_cache, v_cache), workspace, page_table, lens_u32,
                                                  max_seq_len, bmm1_scale=bmm1, bmm2_scale=bmm2,
                                                  window_left=window_left, sinks=sinks, kv_layout="NHD")
