@@ -32,7 +32,7 @@ import torch
 from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
-from .flashinfer import jit_cache_dir, workspace_bytes
+from .flashinfer import _no_sinks, _sinks_arg, jit_cache_dir, workspace_bytes
 from .support import capability_reason, capturing, dtype_reason, feature_reasons, joined
 
 PAGE_SIZES = (16, 32, 64, 128)
@@ -138,13 +138,12 @@ class XQABackend:
         def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
             if spec.sinks:
-                if sinks is None or sinks.shape != (spec.num_q_heads,) or sinks.dtype != torch.float32:
-                    raise ValueError(f"spec.sinks needs sinks: a float32 tensor [num_q_heads={spec.num_q_heads}]")
+                sinks = _sinks_arg(spec, sinks)
                 if sinks.device != q.device:  # XQA reads it through a raw pointer: a host tensor would fault
                     raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
                 sinks = sinks.contiguous()
-            elif sinks is not None:
-                raise ValueError("sinks were passed but the spec has sinks=False")
+            else:
+                _no_sinks(sinks)
             bmm1, bmm2 = scale, 1.0
             if fp8:
                 if k_scale is None or v_scale is None:
