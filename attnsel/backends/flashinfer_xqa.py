@@ -32,7 +32,7 @@ import torch
 from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
-from .flashinfer import _no_sinks, _sinks_arg, jit_cache_dir, workspace_bytes
+from .flashinfer import _no_sinks, _sinks_arg, _window_left, jit_cache_dir, workspace_bytes
 from .support import capability_reason, capturing, dtype_reason, feature_reasons, joined
 
 PAGE_SIZES = (16, 32, 64, 128)
@@ -126,13 +126,14 @@ class XQABackend:
         max_seq_len = page_table.shape[1] * spec.page_size
         # zero-length rows (CUDA-graph padding) are zeros by contract: masked when the plan has such rows (read on
         # the host), or, for a plan made during capture (no host read allowed), on every run from the lengths then
-        mask_each_run = batch > 0 and capturing(lens)
+        during_capture = capturing(lens)
+        mask_each_run = batch > 0 and during_capture
         empty_rows = None
         if batch and not mask_each_run:
             empty_rows = (lens == 0)[:, None, None]
             empty_rows = empty_rows if bool(empty_rows.any()) else None
-        workspace = _workspace(device, workspace_bytes(), capturing(lens))
-        window_left = spec.sliding_window - 1 if spec.sliding_window is not None else -1
+        workspace = _workspace(device, workspace_bytes(), during_capture)
+        window_left = _window_left(spec)
         scale, fp8 = spec.scale, spec.kv_dtype is not None
 
         def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
