@@ -129,7 +129,7 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
         cands = {n: backends.get(n) for n in runnable}
         for label, key, shape, work in shapes(spec, phase, quick):
             for mode in modes:
-                timed = timing.time_bucket(cands, spec, phase, shape, device, mode, timing.REPS)
+                timed = timing.time_bucket(cands, spec, phase, shape, device, mode, timing.reps_for(mode, device))
                 row = [Cell(spec.to_dict(), phase, label, mode, n, timed["us"].get(n),
                             work / timed["us"][n] / 1e6 if n in timed["us"] else None,
                             error=timed["errors"].get(n, ""), spread=timed["spread"].get(n)) for n in runnable]
@@ -318,7 +318,7 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
         summary = summarise(rows)  # written after every spec: a bench cut short keeps the specs it finished
         props = torch.cuda.get_device_properties(device)
         header = (f"# attnsel bench on {props.name} ({time.strftime('%Y-%m-%d')}), torch {torch.__version__}; times "
-                  f"are medians of {timing.REPS} interleaved CUDA-event samples per cell (inputs rotated to read from "
+                  f"are medians of {timing.REPS_EAGER} (eager) or {timing.REPS} (graph) interleaved CUDA-event samples per cell (inputs rotated to read from "
                   "HBM; sampled rows of each timed plan's output checked against the float32 reference); ratios are "
                   "within this run")
         _write(out_dir / "bench.md", markdown(cells, probe, rows, summary, header))

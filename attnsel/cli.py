@@ -321,6 +321,9 @@ def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
         return None
     axes = ", ".join(table.axes)
     skipped = f"; {len(table.skipped)} bucket(s) skipped for the time budget" if table.skipped else ""
+    if table.pruned:
+        skipped += "; not timed on the finer grid (slower on every coarse bucket): " + ", ".join(
+            f"{n} (>= {r:.2f}x)" for n, r in table.pruned)
     wins = ", ".join(f"{n} {k}" for n, k in sorted(table.wins().items(), key=lambda kv: -kv[1]))
     out = Table(title=f"{phase} dispatch, {sel.mode}: buckets over {axes}; wins: {wins}{skipped}",
                 title_justify="left")

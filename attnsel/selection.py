@@ -138,6 +138,8 @@ class DispatchTable:
     skipped: tuple[str, ...] = ()
     wall_s: float | None = None
     tie: float = TIE  # the lookup's tie band (the buckets' choices were made with the selection's)
+    pruned: tuple[tuple[str, float], ...] = ()  # (candidate, least ratio to the fastest on the coarse grid): not
+    # timed on the finer levels (timing.prune)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -231,13 +233,14 @@ class DispatchTable:
     def to_json(self) -> dict:
         return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
                 "grid_version": self.grid_version, "skipped": list(self.skipped), "wall_s": self.wall_s,
-                "buckets": [b.to_json() for b in self.buckets]}
+                "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets]}
 
     @classmethod
     def from_json(cls, data: dict) -> "DispatchTable":
         return cls(data["phase"], data["mode"], tuple(data["axes"]),
                    tuple(Bucket.from_json(b) for b in data["buckets"]),
-                   data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"))
+                   data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"),
+                   pruned=tuple(data.get("pruned", {}).items()))
 
 
 def pick(times: dict[str, float], order: list[str], tie: float = TIE) -> str:
@@ -301,7 +304,8 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
             wins[b.backend] = wins.get(b.backend, 0) + 1
         default = max(order, key=lambda n: (wins.get(n, 0), -order.index(n)))
     return DispatchTable(phase, mode, axes, buckets, default, measured["grid_version"],
-                         tuple(measured.get("skipped", ())), measured.get("wall_s"))
+                         tuple(measured.get("skipped", ())), measured.get("wall_s"),
+                         pruned=tuple((n, r) for n, r in measured.get("pruned", {}).items() if n in usable))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -903,3 +903,89 @@ def test_a_layout_failure_is_not_carried_to_the_next_backend_on_the_same_case(mo
                            torch.device("cpu"))
     assert valid["torch"] == "", valid["torch"]
     assert "declares decode_takes_b1hd" in valid["b1hd_liar_values"]
+
+
+# ---- finer grid, pruning, calibration, budget carry-over (grid version 3) ----
+
+def test_sqrt2_steps_are_the_finest_level():
+    assert timing._level(72, timing.PREFILL_LENS) == 0 and timing._level(18432, timing.PREFILL_LENS) == 0
+    assert timing._level(144, timing.PREFILL_LENS) == 1
+    assert all(timing._level(v, timing.PREFILL_LENS) == 2 for v in (102, 204, 13033))
+    assert [timing._level(b, timing.DECODE_BATCHES) for b in (1, 2, 3, 4, 6, 256)] == [0, 1, 2, 0, 2, 0]
+    cuda = torch.device("cuda")
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    graph = timing.decode_grid(spec, cuda, mode="graph")
+    assert {c for _, _, c in graph} == set(timing.GRAPH_DECODE_CTX)
+    assert {b for _, b, _ in graph} == set(timing.DECODE_BATCHES)
+    # every value between powers of two lies within a factor 1.5 of its neighbours
+    for values in (timing.PREFILL_LENS, timing.DECODE_BATCHES[1:]):
+        assert all(1.3 < b / a <= 1.5 for a, b in zip(values, values[1:])), values
+
+
+def test_prune_drops_only_candidates_slower_in_every_coarse_bucket():
+    coarse = [{"us": {"a": 10.0, "b": 13.0, "c": 30.0, "d": 9.0}}, {"us": {"a": 10.0, "b": 12.0, "c": 40.0}}]
+    # d has no time in the second bucket (it failed there): not pruned for speed
+    assert timing.prune(coarse, ["a", "b", "c", "d"]) == {"c": pytest.approx(30.0 / 9.0)}
+    assert timing.prune(coarse, ["a", "b", "c", "d"], factor=1.2) == {"b": pytest.approx(1.2), "c": pytest.approx(30 / 9)}
+    assert timing.prune([{"us": {"a": 10.0, "b": 20.0}}], ["b"]) == {}  # never every candidate
+    assert timing.prune([], ["a", "b"]) == {}  # nothing timed: nothing pruned
+
+
+def test_measure_prunes_after_the_coarse_grid_and_the_table_reports_it(monkeypatch):
+    seen = []
+
+    def fake_bucket(cands, spec, phase, shape, device, mode, reps):
+        seen.append((shape, sorted(cands)))
+        return {"us": {n: {"fast": 10.0, "close": 12.0, "slow": 40.0}[n] for n in cands},
+                "spread": {n: 0.0 for n in cands}, "errors": {}}
+
+    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    grid = [(0, (1, 16)), (0, (4, 16)), (1, (2, 16)), (2, (3, 16))]
+    out = timing.measure(SPEC, "decode", ["fast", "close", "slow"], torch.device("cpu"), "eager", reps=1, grid=grid)
+    assert seen == [((1, 16), ["close", "fast", "slow"]), ((4, 16), ["close", "fast", "slow"]),
+                    ((2, 16), ["close", "fast"]), ((3, 16), ["close", "fast"])]
+    assert out["pruned"] == {"slow": 4.0}
+    table = build_table(out, ["fast", "close", "slow"])
+    assert table.pruned == (("slow", 4.0),) and table.backend_for((3, 16)) == "fast"
+    assert DispatchTable.from_json(json.loads(json.dumps(table.to_json()))) == table
+    from attnsel.cli import dispatch_table
+    from rich.console import Console
+    console = Console(width=200, record=True)
+    console.print(dispatch_table(_selection({"decode": PhaseChoice("fast", "auto", [], table)}), "decode", 200))
+    text = " ".join(console.export_text().split())  # the title wraps at the table's width
+    assert "not timed on the finer grid (slower on every coarse bucket): slow (>= 4.00x)" in text
+
+
+def test_calibration_grows_the_sample_until_it_lasts_sample_s(monkeypatch):
+    """A cold first call (5 ms) must not set the sample's length: warm calls take 50 us, so the calibration keeps
+    growing the number of calls until a measured sample lasts SAMPLE_S (the old rule stopped at one call)."""
+    per_call = iter([5e-3] + [49e-6] * 100)
+    sampled = []
+
+    def fake_sample(item, cursor, device):
+        sampled.append(item.repeat)
+        return next(per_call)
+
+    monkeypatch.setattr(timing, "_sample", fake_sample)
+    item = timing._Timed(lambda c: None, 1, lambda: [], None)
+    cursor = timing._calibrate(item, 0, torch.device("cuda"))
+    assert item.repeat * 49e-6 >= timing.SAMPLE_S and item.repeat == 21
+    assert sampled == [1, 1, 21] and cursor == 1 + 1 + 21
+
+
+def test_the_worker_hands_unspent_timing_budget_to_the_next_phase(monkeypatch):
+    from attnsel.validate import worker
+
+    budgets = []
+
+    def fake_measure(spec, phase, names, device, mode, budget_s):
+        budgets.append(budget_s)
+        return {"phase": phase, "buckets": [], "wall_s": 3.0}
+
+    monkeypatch.setattr(timing, "measure", fake_measure)
+    job = {"measure": {"prefill": {"backends": ["torch"], "vouched": ["torch"], "budget_s": 10.0},
+                       "decode": {"backends": ["torch"], "vouched": ["torch"], "budget_s": 10.0}}}
+    first = worker.time_phase("prefill", SPEC, torch.device("cpu"), job, {})
+    second = worker.time_phase("decode", SPEC, torch.device("cpu"), job, {}, first["unspent_s"])
+    assert budgets == [10.0, 17.0] and second["unspent_s"] == 14.0

@@ -7,8 +7,16 @@ Timing rules (what a number in a report means):
   least ``ROTATE_L2`` times the device's L2 size and the calls go round-robin over them (one shared cursor for all
   candidates, so a candidate never reads what the previous one just pulled into L2).
 - Candidates are interleaved: repetition r times every candidate once (in an order rotated each repetition) before
-  repetition r + 1 starts; a bucket's number per candidate is the median over ``REPS`` samples of the time per call,
-  and its spread is (max - min) / median of those samples.
+  repetition r + 1 starts; a bucket's number per candidate is the median over ``reps_for(mode)`` samples of the time
+  per call (``REPS_EAGER`` in eager mode, ``REPS`` under CUDA graphs), and its spread is (max - min) / median of
+  those samples. A sample lasts at least ``SAMPLE_S``: its number of calls is found by doubling from one until a
+  sample is that long (one cold call, the rule before, could be several times slower than a warm one and gave
+  samples of a few calls, the noisiest; H200 2026-12-04, scripts/gpu_eager_noise.py).
+- Eager host-bound calls are noisy (H200 2026-12-04: a candidate's ratio to the fastest varied by up to 1.9x between
+  repeats of 7 samples), so eager buckets take 21 samples; CUDA-graph replays vary by 1-3% and take 7.
+- Pruning: once the coarse grid (level 0) is timed, a candidate at least ``PRUNE`` times slower than the fastest in
+  every coarse bucket is not timed on the finer levels (listed in "pruned" with its best ratio): it cannot win
+  there, and the finer grid then costs less.
 - Checked: after the timing, what the timed plan computes (eager: two more calls, the first one's output NaN-filled
   and held during the second; graph: outputs NaN-filled, one more replay, the first and last input set) is compared
   with the float32 reference on sampled rows (cases.spot_reference, once per bucket and set); a wrong candidate gets
@@ -36,10 +44,13 @@ from .cases import clear_output, cumulative, spot_compare, spot_reference
 
 log = logging.getLogger(__name__)
 
-GRID_VERSION = 2  # part of the dispatch-table cache key: bump when the grids or the timing rules change
+GRID_VERSION = 3  # part of the dispatch-table cache key: bump when the grids or the timing rules change
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
-REPS = 7
+REPS = 7  # samples per candidate and bucket under CUDA graphs
+REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
+PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
 SAMPLE_S = 1e-3  # a sample lasts at least this long (CUDA event resolution is ~0.5 us)
+MAX_REPEAT = 10000  # units per sample at most
 ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
 MAX_SETS = 1024
 DEFAULT_L2_BYTES = 50 << 20  # H200; used when the device does not report its L2 size
@@ -50,12 +61,17 @@ BUDGET_ENV = "ATTNSEL_TIMING_BUDGET_S"
 # values on each axis; a shape outside the grid is clamped to the nearest end. Prompt lengths are 9/8 of powers of
 # two: real prompts end inside a kernel's tile, and a grid of whole tiles flattered the backends whose tiles fit it
 # (H200 2026-12-03: FA3 led at 64 sequences x 64 tokens, FlashInfer was 1.38x faster at 40 x 100).
+# Prompt lengths and decode batch sizes go in steps of sqrt(2): the kernels' speed is not monotone between powers of
+# two (tiles, waves over 132 SMs, split heuristics). H200 2026-12-04: FlashInfer led FA3 by 1.32x at 40 x 100 tokens
+# and tied or lost at 72 and 144; at 48 x 3000 decode FlashInfer led FA3 by 1.24x while FA3 led at batch 32 and 64.
+# The values between powers of two form the finest level (2).
 PREFILL_SEQS = (1, 2, 4, 8, 16, 32, 64)
-PREFILL_LENS = (72, 144, 288, 576, 1152, 2304, 4608, 9216, 18432)
+PREFILL_LENS = (72, 102, 144, 204, 288, 407, 576, 815, 1152, 1629, 2304, 3258, 4608, 6516, 9216, 13033, 18432)
 PREFILL_RAGGED = ([2048] + [64] * 15, [4096] + [256] * 7)  # one long prompt among short ones (chunked prefill)
 MAX_PREFILL_TOKENS = 32768
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
 DECODE_CTX = (256, 512, 1024, 2048, 4096, 8192, 16384)
+GRAPH_DECODE_CTX = (256, 1024, 4096, 16384)  # graph mode scores a batch size over contexts: 4x steps suffice
 MAX_DECODE_KV_BYTES = 4 << 30
 CPU_PREFILL = ([16], [24, 8])  # the interpreter and CPU torch: tiny workloads only
 CPU_DECODE = ((1, 32), (4, 32))
@@ -83,9 +99,15 @@ def prefill_label(lens: list[int]) -> str:
     return f"{len(lens)} seqs, {sum(lens)} tok, max {max(lens)}"
 
 
-def _level(i: int, n: int) -> int:
-    """0 for every other grid value and both ends (the coarse grid), 1 for the values in between."""
-    return 0 if i % 2 == 0 or i == n - 1 else 1
+def _level(value: int, values: tuple[int, ...]) -> int:
+    """2 for a value that is not a power of two times the first (the sqrt(2) steps); among the others 0 for every
+    other one and both ends (the coarse grid), 1 for those in between."""
+    ratio = value / values[0]
+    if ratio != 2 ** round(math.log2(ratio)):
+        return 2
+    doubles = [v for v in values if (v / values[0]) == 2 ** round(math.log2(v / values[0]))]
+    i = doubles.index(value)
+    return 0 if i % 2 == 0 or i == len(doubles) - 1 else 1
 
 
 def prefill_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, list[int]]]:
@@ -93,27 +115,37 @@ def prefill_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, l
     if device.type != "cuda":
         return [(0, list(lens)) for lens in CPU_PREFILL]
     grid = []
-    for i, n in enumerate(PREFILL_SEQS):
-        for j, length in enumerate(PREFILL_LENS):
+    for n in PREFILL_SEQS:
+        for length in PREFILL_LENS:
             if n * length <= MAX_PREFILL_TOKENS:
-                grid.append((max(_level(i, len(PREFILL_SEQS)), _level(j, len(PREFILL_LENS))), [length] * n))
+                grid.append((max(_level(n, PREFILL_SEQS), _level(length, PREFILL_LENS)), [length] * n))
     grid += [(1, list(lens)) for lens in PREFILL_RAGGED]
     return sorted(grid, key=lambda item: item[0])
 
 
-def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None) -> list[tuple[int, int, int]]:
-    """(level, batch, context length) of the timed decode buckets, coarse grid first. A bucket's KV cache is at most
-    MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it (the torch backend gathers a copy, and
-    a server may select after loading its weights); the cells left out are served by their nearest neighbour."""
+def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
+                mode: str = "eager") -> list[tuple[int, int, int]]:
+    """(level, batch, context length) of the timed decode buckets, coarse grid first (graph mode: the contexts of
+    GRAPH_DECODE_CTX). A bucket's KV cache is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a
+    sixth of it (the torch backend gathers a copy, and a server may select after loading its weights); the cells
+    left out are served by their nearest neighbour."""
     if device.type != "cuda":
         return [(0, b, c) for b, c in CPU_DECODE]
     cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
+    contexts = GRAPH_DECODE_CTX if mode == "graph" else DECODE_CTX
     grid = []
-    for i, b in enumerate(DECODE_BATCHES):
-        for j, c in enumerate(DECODE_CTX):
+    for b in DECODE_BATCHES:
+        for c in contexts:
             if decode_bytes(spec, b, c) <= cap:
-                grid.append((max(_level(i, len(DECODE_BATCHES)), _level(j, len(DECODE_CTX))), b, c))
+                grid.append((max(_level(b, DECODE_BATCHES), _level(c, contexts)), b, c))
     return sorted(grid, key=lambda item: item[0])
+
+
+def reps_for(mode: str, device: torch.device) -> int:
+    """Samples per candidate and bucket (module doc)."""
+    if device.type != "cuda":
+        return CPU_REPS
+    return REPS_EAGER if mode == "eager" else REPS
 
 
 def prefill_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, list[int]]]:
@@ -122,7 +154,7 @@ def prefill_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[s
 
 
 def decode_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, int, int]]:
-    """(label, batch, context length) of the decode grid."""
+    """(label, batch, context length) of the (eager) decode grid."""
     return [(f"{b}x{c}", b, c) for _, b, c in decode_grid(spec, device)]
 
 
@@ -361,6 +393,23 @@ def _sample(item: _Timed, cursor: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / (item.repeat * item.calls)
 
 
+def _calibrate(item: _Timed, cursor: int, device: torch.device) -> int:
+    """Set item.repeat so that a sample lasts at least SAMPLE_S (CUDA), growing it until a measured sample does;
+    returns the cursor after the calibration samples. The first sample (one call, possibly cold after the other
+    candidates ran) is not trusted. On CPU one sample only checks that the candidate runs."""
+    item.repeat = 1
+    _sample(item, cursor, device)
+    cursor += 1
+    if device.type != "cuda":
+        return cursor
+    while True:
+        seconds = _sample(item, cursor, device) * item.repeat * item.calls
+        cursor += item.repeat
+        if seconds >= SAMPLE_S or item.repeat >= MAX_REPEAT:
+            return cursor
+        item.repeat = min(MAX_REPEAT, max(2 * item.repeat, math.ceil(item.repeat * SAMPLE_S / max(seconds, 1e-9))))
+
+
 def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device: torch.device, mode: str,
                 reps: int) -> dict:
     """Time every candidate on one bucket, interleaved. Returns {"us": {name: median us per call},
@@ -378,14 +427,10 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     cursor = 0
     for name, item in list(prepared.items()):  # calibrate: a sample lasts at least SAMPLE_S
         try:
-            per_unit = _sample(item, cursor, device) * item.calls
+            cursor = _calibrate(item, cursor, device)
         except Exception as exc:
             errors[name] = f"raised {type(exc).__name__}: {_first_line(exc)}"
             del prepared[name]
-            continue
-        cursor += item.repeat
-        if device.type == "cuda":
-            item.repeat = max(1, min(10000, math.ceil(SAMPLE_S / max(per_unit, 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in prepared}
     order = list(prepared)
     for r in range(reps):
@@ -464,14 +509,15 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     from .. import backends
 
     os.environ.pop("ATTNSEL_FLASHINFER_WORKSPACE_MB", None)  # runtime-sized workspace for real batches
-    reps = reps or (REPS if device.type == "cuda" else CPU_REPS)
+    reps = reps or reps_for(mode, device)
     t0 = time.perf_counter()
     cands = {name: backends.get(name) for name in names}
     if grid is None:
         grid = ([(lvl, lens) for lvl, lens in prefill_grid(spec, device)] if phase == "prefill"
-                else [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, _free_bytes(device))])
-    buckets, skipped = [], []
-    for _level_, shape in grid:
+                else [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, _free_bytes(device), mode)])
+    buckets, skipped, pruned = [], [], {}
+    coarse: list[dict] = []
+    for level, shape in grid:
         if phase == "prefill":
             key, label = prefill_key(shape), prefill_label(shape)
         else:
@@ -479,11 +525,41 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
         if budget_s is not None and buckets and time.perf_counter() - t0 > budget_s:
             skipped.append(label)
             continue
+        if level > 0 and coarse is not None:  # the coarse grid is done: prune once
+            pruned = prune(coarse, list(cands))
+            for name, ratio in pruned.items():
+                log.info("%s %s: %s is not timed on the finer grid (at least %.2fx the fastest in every coarse "
+                         "bucket)", phase, spec.describe(), name, ratio)
+            cands = {n: b for n, b in cands.items() if n not in pruned}
+            coarse = None
         timed = time_bucket(cands, spec, phase, shape, device, mode, reps)
         buckets.append({"key": list(key), "label": label, **timed})
+        if level == 0 and coarse is not None:
+            coarse.append(timed)
     return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
             "axes": list(PREFILL_AXES if phase == "prefill" else DECODE_AXES), "reps": reps, "buckets": buckets,
-            "skipped": skipped, "wall_s": time.perf_counter() - t0}
+            "skipped": skipped, "pruned": pruned, "wall_s": time.perf_counter() - t0}
+
+
+def prune(coarse: list[dict], names: list[str], factor: float = PRUNE) -> dict[str, float]:
+    """The candidates at least ``factor`` times slower than the fastest in every one of the ``coarse`` buckets
+    (time_bucket results), each with its least ratio there. A candidate without a time in some bucket (it failed
+    there) is not pruned for speed: its failure is reported by that bucket. Nothing is pruned without timings, and
+    at least one candidate always stays."""
+    ratios: dict[str, float] = {}
+    for name in names:
+        per_bucket = []
+        for timed in coarse:
+            us = timed["us"]
+            if name not in us or not us:
+                break
+            per_bucket.append(us[name] / min(us.values()))
+        else:
+            if per_bucket and min(per_bucket) >= factor:
+                ratios[name] = min(per_bucket)
+    if len(ratios) >= len(names):
+        return {}
+    return ratios
 
 
 def probes(device: torch.device) -> dict:

@@ -115,21 +115,27 @@ def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.devic
     return result
 
 
-def time_phase(phase: str, spec: AttentionSpec, device: torch.device, job: dict, outcomes: dict) -> dict:
+def time_phase(phase: str, spec: AttentionSpec, device: torch.device, job: dict, outcomes: dict,
+               unspent_s: float = 0.0) -> dict:
     """The TIMING_TASK of a phase: time its candidates interleaved over the bucket grid (timing.measure). Times the
     candidates of job["measure"][phase]["backends"] that passed validation in this process or that the parent
-    vouches for (valid in its cache); a result {"status": "timed", "measured": ...} or "rejected" with a reason."""
+    vouches for (valid in its cache); a result {"status": "timed", "measured": ...} or "rejected" with a reason.
+    ``unspent_s``: what earlier phases of this job left of their time budgets, added to this phase's."""
     order = job["measure"][phase]
     vouched = set(order.get("vouched", ()))
     names = [n for n in order["backends"] if outcomes.get((n, phase), n in vouched)]
+    budget = order.get("budget_s")
+    if budget is not None:
+        budget += unspent_s
     t0 = time.perf_counter()
     try:
-        measured = timing.measure(spec, phase, names, device, job.get("mode", "eager"), order.get("budget_s"))
+        measured = timing.measure(spec, phase, names, device, job.get("mode", "eager"), budget)
     except Exception as exc:
         log.error("timing %s raised:\n%s", phase, traceback.format_exc())
         return {"status": "rejected", "reason": f"timing raised {type(exc).__name__}: {exc}",
                 "time_s": time.perf_counter() - t0, "fault": _fault(exc)}
-    result = {"status": "timed", "reason": "", "measured": measured, "time_s": time.perf_counter() - t0}
+    result = {"status": "timed", "reason": "", "measured": measured, "time_s": time.perf_counter() - t0,
+              "unspent_s": max(0.0, budget - measured["wall_s"]) if budget is not None else 0.0}
     errors = [e for b in measured.get("buckets", []) for e in b.get("errors", {}).values()]
     if any(is_oom(e) for e in errors):
         result["fault"] = "oom"
@@ -160,6 +166,7 @@ def main() -> None:
     built: dict[str, object] = {}
     outcomes: dict[tuple[str, str], bool] = {}  # (backend, phase) -> usable, for the timing tasks
     stopped = None
+    unspent_s = 0.0  # timing budget left by the phases timed so far (the next phase may use it)
 
     def emit(**event) -> None:
         proto.write(json.dumps(event) + "\n")
@@ -178,7 +185,8 @@ def main() -> None:
                 break
         emit(event="start", backend=name, phase=phase)
         if name == timing.TIMING_TASK:
-            result = time_phase(phase, spec, device, job, outcomes)
+            result = time_phase(phase, spec, device, job, outcomes, unspent_s)
+            unspent_s = result.pop("unspent_s", 0.0)
         else:
             result = validate_one(name, phase, spec, device, built[phase], job.get("measure", False),
                                   job.get("mode", "eager"))
