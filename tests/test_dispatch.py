@@ -78,8 +78,8 @@ def test_untimed_shapes_take_the_nearest_timed_bucket():
     cells = dict(DECODE)
     del cells[(16, 1024)]  # e.g. capped: its KV would exceed the timing memory cap
     table = build_table(measured("decode", "eager", cells), ["a", "b"])
-    # batch 16 x ctx 4096 falls in the missing cell; 4x1024 and 16x256 are both 2 octaves from its centre in log
-    # space: the tie goes to the earlier timed bucket (grids are timed coarse first)
+    # batch 16 x ctx 4096 (clamped to 16 x 1024: the longest timed context) is nearest to 4x1024 and 16x256, both
+    # 2 octaves away in log space: the tie goes to the earlier timed bucket (grids are timed coarse first)
     assert table.bucket_for((16, 4096)).key == (4, 1024)
     assert table.bucket_for((20, 200)).key == (16, 256)
     # prefill: a ragged batch that matches no representative goes to the nearest in (seqs, tokens, longest)
@@ -747,18 +747,19 @@ def test_interpolation_needs_every_corner_else_the_nearest_bucket():
 
 
 def test_lookup_does_not_depend_on_the_order_of_earlier_calls():
-    """Two shapes that round to one interpolation position can lie on either side of a nearest-bucket boundary
-    (here prefill, where corners are sparse and the nearest bucket serves): each keeps its own answer, whichever
-    came first (a review found the memo handing the first one's answer to the second)."""
+    """Shapes near a nearest-bucket boundary (here prefill, where corners are sparse and the nearest bucket serves)
+    get the same answers whichever came first (a review found an earlier memo handing the first one's answer to the
+    second): the answer is a function of the shape (rounded to 1/16 octave per axis), not of the calls before."""
     cells = {(2, 2 * n, n): ({"a": 1.0, "b": 2.0} if n <= 576 else {"a": 2.0, "b": 1.0}) for n in (288, 576, 1152)}
-    k1, k2 = (2, 1620, 810), (2, 1640, 820)  # boundaries at 814 (longest) and 1629 (total); one position: 16/32
+    keys = [(2, 1520, 760), (2, 1620, 810), (2, 1640, 820), (2, 1760, 880)]  # around the midpoint of 576 and 1152
     answers = set()
-    for order in ((k1, k2), (k2, k1)):
+    for order in (keys, keys[::-1], [keys[1], keys[3], keys[0], keys[2]]):
         table = build_table(measured("prefill", "eager", cells), ["a", "b"])
         got = {k: table.backend_for(k) for k in order}
-        assert got == {k1: table.bucket_for(k1).backend, k2: table.bucket_for(k2).backend} == {k1: "a", k2: "b"}
+        assert got == {k: table.bucket_for(k).backend for k in keys}
         answers.add(tuple(sorted(got.items())))
     assert len(answers) == 1
+    assert got[keys[0]] == "a" and got[keys[-1]] == "b"  # well inside either side
 
 
 def test_interpolation_ignores_corners_of_zero_weight_and_bad_times():
@@ -924,9 +925,13 @@ def test_sqrt2_steps_are_the_finest_level():
 
 def test_prune_drops_only_candidates_slower_in_every_coarse_bucket():
     coarse = [{"us": {"a": 10.0, "b": 13.0, "c": 30.0, "d": 9.0}}, {"us": {"a": 10.0, "b": 12.0, "c": 40.0}}]
-    # d has no time in the second bucket (it failed there): not pruned for speed
+    # d is the fastest where it ran (it failed in the second bucket): kept
     assert timing.prune(coarse, ["a", "b", "c", "d"]) == {"c": pytest.approx(30.0 / 9.0)}
     assert timing.prune(coarse, ["a", "b", "c", "d"], factor=1.2) == {"b": pytest.approx(1.2), "c": pytest.approx(30 / 9)}
+    # e failed in one bucket and is 5x slower in the other (the H200's torch prefill at the largest shapes): pruned
+    slow = [{"us": {"a": 10.0}}, {"us": {"a": 10.0, "e": 50.0}}]
+    assert timing.prune(slow, ["a", "e"]) == {"e": 5.0}
+    assert timing.prune([{"us": {"a": 10.0}}], ["a", "f"]) == {}  # f never ran: its failures are reported
     assert timing.prune([{"us": {"a": 10.0, "b": 20.0}}], ["b"]) == {}  # never every candidate
     assert timing.prune([], ["a", "b"]) == {}  # nothing timed: nothing pruned
 
@@ -989,3 +994,16 @@ def test_the_worker_hands_unspent_timing_budget_to_the_next_phase(monkeypatch):
     first = worker.time_phase("prefill", SPEC, torch.device("cpu"), job, {})
     second = worker.time_phase("decode", SPEC, torch.device("cpu"), job, {}, first["unspent_s"])
     assert budgets == [10.0, 17.0] and second["unspent_s"] == 14.0
+
+
+def test_nearest_bucket_is_measured_from_the_shape_not_its_cell():
+    """H200 2026-12-04: 40 prompts x 100 tokens lies in the untimed cell (32, 4608, 102); from the cell's centre the
+    FA3 bucket (32, 4608, 144) was as near as FlashInfer's (32, 3264, 102) and served it 1.31x slower; from the
+    shape itself FlashInfer's bucket is the nearest."""
+    pre = {(64, 4608, 72): {"fa3": 51.8, "flashinfer": 52.0}, (32, 2304, 72): {"fa3": 29.4, "flashinfer": 28.6},
+           (32, 4608, 144): {"fa3": 51.9, "flashinfer": 65.3}, (32, 3264, 102): {"fa3": 39.8, "flashinfer": 29.7},
+           (64, 6528, 102): {"fa3": 70.8, "flashinfer": 54.6}}
+    table = build_table(measured("prefill", "graph", pre), ["fa3", "flashinfer"])
+    assert table.bucket_for((40, 4000, 100)).key == (32, 3264, 102)
+    assert table.backend_for((40, 4000, 100)) == "flashinfer"
+    assert table.bucket_for((32, 4608, 144)).key == (32, 4608, 144)  # a timed shape is its own bucket

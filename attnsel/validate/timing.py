@@ -543,20 +543,14 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
 
 def prune(coarse: list[dict], names: list[str], factor: float = PRUNE) -> dict[str, float]:
     """The candidates at least ``factor`` times slower than the fastest in every one of the ``coarse`` buckets
-    (time_bucket results), each with its least ratio there. A candidate without a time in some bucket (it failed
-    there) is not pruned for speed: its failure is reported by that bucket. Nothing is pruned without timings, and
-    at least one candidate always stays."""
+    (time_bucket results) where they have a time, each with its least ratio there. A bucket where a candidate has
+    no time (it failed there; the bucket reports why) does not keep it, but a candidate needs a time in at least
+    one coarse bucket to be pruned. At least one candidate always stays."""
     ratios: dict[str, float] = {}
     for name in names:
-        per_bucket = []
-        for timed in coarse:
-            us = timed["us"]
-            if name not in us or not us:
-                break
-            per_bucket.append(us[name] / min(us.values()))
-        else:
-            if per_bucket and min(per_bucket) >= factor:
-                ratios[name] = min(per_bucket)
+        per_bucket = [timed["us"][name] / min(timed["us"].values()) for timed in coarse if name in timed["us"]]
+        if per_bucket and min(per_bucket) >= factor:
+            ratios[name] = min(per_bucket)
     if len(ratios) >= len(names):
         return {}
     return ratios
