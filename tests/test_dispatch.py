@@ -1007,3 +1007,12 @@ def test_nearest_bucket_is_measured_from_the_shape_not_its_cell():
     assert table.bucket_for((40, 4000, 100)).key == (32, 3264, 102)
     assert table.backend_for((40, 4000, 100)) == "flashinfer"
     assert table.bucket_for((32, 4608, 144)).key == (32, 4608, 144)  # a timed shape is its own bucket
+
+
+def test_a_budget_cut_leaves_gaps_spread_over_the_level():
+    grid = [(2, b) for b in range(10)] + [(0, "a"), (1, "b")]
+    ordered = timing._coarse_first(grid)
+    assert [x for _, x in ordered[:2]] == ["a", "b"]
+    finest = [x for _, x in ordered[2:]]
+    assert sorted(finest) == list(range(10))
+    assert finest[:4] == [0, 8, 4, 2]  # the first four of ten: spread over the range, not the smallest four
