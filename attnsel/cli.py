@@ -63,7 +63,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("selection")
+    g = p.add_argument_group("selection", f"built-in backends: {', '.join(backends.BUILTINS)} (plugins from "
+                                          "$ATTNSEL_BACKENDS or entry points add theirs; `attnsel report` lists all)")
     g.add_argument("--llm_prefill_att_backend", "--prefill-backend", dest="prefill",
                    help="'auto' (default; $ATTNSEL_PREFILL_BACKEND) or a backend name")
     g.add_argument("--llm_decode_att_backend", "--decode-backend", dest="decode",
@@ -547,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
     except CannotRun as exc:
         err.print(f"attnsel: cannot run: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_UNSERVED
+    except BrokenPipeError:  # the reader went away (`attnsel report | head`): no traceback, the shell's status
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush of stdout at exit would raise again
+        return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":

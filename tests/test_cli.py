@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from attnsel import backends
 from attnsel.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,3 +300,36 @@ def test_a_layer_kind_that_cannot_be_served_is_shown_and_exits_3(capsys, monkeyp
         nan = next(c for c in kind["selection"]["decode"]["candidates"] if c["name"] == "nan_decode")
         assert nan["status"] == "rejected" and "NaN" in nan["reason"]
     assert "attnsel: cannot serve sliding_attention (22 layers): decode backend 'nan_decode'" in " ".join(err.split())
+
+
+def test_help_names_the_built_in_backends(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code == 0
+    assert "built-in backends:" in out
+    for name in backends.BUILTINS:
+        assert name in out, name
+
+
+def test_a_closed_output_pipe_exits_quietly(tmp_path):
+    """`attnsel cache path | head -0`: the reader is gone before attnsel writes; no traceback, exit 141 (SIGPIPE).
+    (Tables go through rich, which handles a closed pipe itself: exit 1, no traceback.)"""
+    env = dict(os.environ, ATTNSEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "attnsel.cli", "cache", "path"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # long before the child has imported torch and written anything
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert proc.returncode == 141
+
+
+def test_a_bad_validation_timeout_variable_is_refused_even_on_a_cache_hit(capsys, monkeypatch):
+    from attnsel.validate import runner
+
+    assert run(capsys, "report", *SMALL, "--policy", "priority")[0] == 0  # the cache is warm: no worker next time
+    monkeypatch.setenv("ATTNSEL_VALIDATION_TIMEOUT", "soon")
+    spawned = runner.spawn_count
+    code, _, err = run(capsys, "report", *SMALL, "--policy", "priority")
+    assert code == 2 and "ATTNSEL_VALIDATION_TIMEOUT must be a number of seconds, got 'soon'" in " ".join(err.split())
+    assert runner.spawn_count == spawned  # refused before a worker started
