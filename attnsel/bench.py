@@ -318,7 +318,8 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
         summary = summarise(rows)  # written after every spec: a bench cut short keeps the specs it finished
         props = torch.cuda.get_device_properties(device)
         header = (f"# attnsel bench on {props.name} ({time.strftime('%Y-%m-%d')}), torch {torch.__version__}; times "
-                  f"are medians of {timing.REPS_EAGER} (eager) or {timing.REPS} (graph) interleaved CUDA-event samples per cell (inputs rotated to read from "
+                  f"are medians of {timing.REPS_EAGER} (eager) or {timing.REPS} (graph) interleaved CUDA-event samples "
+                  f"per cell (inputs rotated to read from "
                   "HBM; sampled rows of each timed plan's output checked against the float32 reference); ratios are "
                   "within this run")
         _write(out_dir / "bench.md", markdown(cells, probe, rows, summary, header))

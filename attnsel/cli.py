@@ -548,10 +548,15 @@ def main(argv: list[str] | None = None) -> int:
     except CannotRun as exc:
         err.print(f"attnsel: cannot run: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_UNSERVED
-    except BrokenPipeError:  # the reader went away (`attnsel report | head`): no traceback, the shell's status
+    except BrokenPipeError:  # the reader of stdout went away (`attnsel cache path | head -0`; rich's tables
+        # handle it themselves: exit 1): no traceback, the shell's status for SIGPIPE
+        try:
+            fd = sys.stdout.fileno()
+        except (OSError, ValueError):  # not a real stdout (main() called from Python): not ours to handle
+            raise
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # Python's flush of stdout at exit would raise again
-        return 128 + 13  # SIGPIPE
+        os.dup2(devnull, fd)  # Python's flush of stdout at exit would raise again
+        return 128 + 13
 
 
 if __name__ == "__main__":

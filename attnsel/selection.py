@@ -169,8 +169,9 @@ class DispatchTable:
 
     def bucket_for(self, key: tuple[int, ...]) -> Bucket:
         """The timed bucket that serves a shape given on the table's axes: the one nearest to the shape in log
-        space, the shape first clamped per axis to the timed range (and rounded to 1/16 octave, so that nearby
-        shapes share one memoised answer); ties go to the earlier bucket (coarse grid first). Measured from the
+        space, the shape first clamped per axis to the timed range and rounded to 1/16 octave (nearby shapes share
+        one memoised answer; within 1/32 octave of a midpoint the rounding may pick the other side); ties go to
+        the earlier bucket (coarse grid first). Measured from the
         shape itself, not from the centre of its cell: on the H200 (2026-12-04) 40 prompts x 100 tokens lies in
         the cell of (32 prompts, 4608 tokens, longest 102), which was not timed; from that cell's centre the
         timed (32, 3264, 102) and (32, 4608, 144) were equally near and FA3's 144-token bucket served it, 1.31x
@@ -202,8 +203,7 @@ class DispatchTable:
         hit = self._picks.get(sides, _MISSING)
         if hit is _MISSING:
             hit = self._picks[sides] = self._interpolated(sides)
-        # the fallback is looked up from the exact key (not memoised: two keys that round to one position may lie
-        # on either side of a bucket boundary)
+        # the fallback is looked up from the exact key (bucket_for memoises on its own, finer rounding)
         return hit or self.bucket_for(key).backend
 
     def _interpolated(self, sides: tuple) -> str | None:
@@ -848,7 +848,9 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
     if todo or to_time:
         job = {p: {"backends": [n for n in names[p] if (n, p) in keys],
                    "vouched": [n for n in valid_names(p, cached) if (n, p) not in todo],
-                   "budget_s": budget_s / len(to_time)} for p in to_time}
+                   "budget_s": budget_s / len(to_time),
+                   # a phase may inherit what the one before left; it must still end well inside the task timeout
+                   "max_budget_s": (timeout or runner.default_timeout()) / 2} for p in to_time}
         results = work(todo + [(timing.TIMING_TASK, p) for p in to_time], job)
         for task, result in results.items():
             if task[0] == timing.TIMING_TASK:

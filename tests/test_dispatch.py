@@ -1016,3 +1016,49 @@ def test_a_budget_cut_leaves_gaps_spread_over_the_level():
     finest = [x for _, x in ordered[2:]]
     assert sorted(finest) == list(range(10))
     assert finest[:4] == [0, 8, 4, 2]  # the first four of ten: spread over the range, not the smallest four
+
+
+def test_a_graph_budget_cut_leaves_out_whole_batch_sizes():
+    """Graph mode scores a batch size by its geometric mean over contexts; a budget cut must not leave some batch
+    sizes timed at context 256 only (the review found a flat bit-reversed order doing that)."""
+    cuda = torch.device("cuda")
+    grid = timing.decode_grid(AttentionSpec(32, 8, 128, "bf16", 16), cuda, mode="graph")
+    for cut in range(1, len(grid)):
+        per_batch: dict = {}
+        for _, b, c in grid[:cut]:
+            per_batch.setdefault(b, set()).add(c)
+        partial = [b for b, cs in per_batch.items() if len(cs) < sum(1 for _, b2, _ in grid if b2 == b)]
+        assert len(partial) <= 1, (cut, partial)  # at most the batch size being timed when the budget ran out
+
+
+def test_a_finer_bucket_where_the_kept_candidate_fails_is_timed_with_the_pruned_ones(monkeypatch):
+    """fast wins the coarse grid and is wrong at 8x4096; slow (pruned) must then serve that bucket, not fast by
+    nearest-bucket fallback."""
+    seen = []
+
+    def fake_bucket(cands, spec, phase, shape, device, mode, reps):
+        seen.append((shape, sorted(cands)))
+        errors = {"fast": "wrong output"} if shape == (8, 4096) and "fast" in cands else {}
+        us = {n: {"fast": 10.0, "slow": 14.0}[n] for n in cands if n not in errors}
+        return {"us": us, "spread": {n: 0.0 for n in us}, "errors": errors}
+
+    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    grid = [(0, (4, 4096)), (0, (16, 4096)), (2, (8, 4096))]
+    out = timing.measure(SPEC, "decode", ["fast", "slow"], torch.device("cpu"), "eager", reps=1, grid=grid)
+    assert out["pruned"] == {"slow": 1.4}
+    assert seen[-2:] == [((8, 4096), ["fast"]), ((8, 4096), ["fast", "slow"])]
+    table = build_table(out, ["fast", "slow"])
+    assert table.backend_for((8, 4096)) == "slow"
+
+
+def test_the_carried_budget_stays_inside_half_the_task_timeout(monkeypatch):
+    from attnsel.validate import worker
+
+    budgets = []
+    monkeypatch.setattr(timing, "measure", lambda spec, phase, names, device, mode, budget_s:
+                        budgets.append(budget_s) or {"phase": phase, "buckets": [], "wall_s": 1.0})
+    job = {"measure": {"decode": {"backends": ["torch"], "vouched": ["torch"], "budget_s": 20.0,
+                                  "max_budget_s": 25.0}}}
+    worker.time_phase("decode", SPEC, torch.device("cpu"), job, {}, unspent_s=19.0)
+    assert budgets == [25.0]

@@ -9,14 +9,17 @@ Timing rules (what a number in a report means):
 - Candidates are interleaved: repetition r times every candidate once (in an order rotated each repetition) before
   repetition r + 1 starts; a bucket's number per candidate is the median over ``reps_for(mode)`` samples of the time
   per call (``REPS_EAGER`` in eager mode, ``REPS`` under CUDA graphs), and its spread is (max - min) / median of
-  those samples. A sample lasts at least ``SAMPLE_S``: its number of calls is found by doubling from one until a
-  sample is that long (one cold call, the rule before, could be several times slower than a warm one and gave
-  samples of a few calls, the noisiest; H200 2026-12-04, scripts/gpu_eager_noise.py).
-- Eager host-bound calls are noisy (H200 2026-12-04: a candidate's ratio to the fastest varied by up to 1.9x between
-  repeats of 7 samples), so eager buckets take 21 samples; CUDA-graph replays vary by 1-3% and take 7.
+  those samples. A sample lasts at least ``SAMPLE_S``: after one untrusted call, its number of calls grows (at least
+  doubling) until a measured sample is that long (one cold call, the rule before, can be several times slower than a
+  warm one and gave samples of a few calls).
+- Eager host-bound calls are noisy: on the H200 (2026-12-04, scripts/gpu_eager_noise.py) a candidate's ratio to the
+  fastest moved by up to 1.9x between repeats of the old rule and stayed within 1.00-1.05x with 21 samples (that
+  run did not separate sample count from calibration and warm-up), so eager buckets take 21 samples; CUDA-graph
+  replays vary by 1-3% and take 7.
 - Pruning: once the coarse grid (level 0) is timed, a candidate at least ``PRUNE`` times slower than the fastest in
-  every coarse bucket is not timed on the finer levels (listed in "pruned" with its best ratio): it cannot win
-  there, and the finer grid then costs less.
+  every coarse bucket is not timed on the finer levels (listed in "pruned" with its best ratio): it is unlikely to
+  win there (an extrapolation from the coarse grid, not a check), and the finer grid then costs less. A finer
+  bucket where a timed candidate fails is timed again with every candidate, so that a pruned one can serve it.
 - Checked: after the timing, what the timed plan computes (eager: two more calls, the first one's output NaN-filled
   and held during the second; graph: outputs NaN-filled, one more replay, the first and last input set) is compared
   with the float32 reference on sampled rows (cases.spot_reference, once per bucket and set); a wrong candidate gets
@@ -72,6 +75,7 @@ MAX_PREFILL_TOKENS = 32768
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
 DECODE_CTX = (256, 512, 1024, 2048, 4096, 8192, 16384)
 GRAPH_DECODE_CTX = (256, 1024, 4096, 16384)  # graph mode scores a batch size over contexts: 4x steps suffice
+# (there a bucket's level is its batch size's: every batch size is timed at all four contexts together)
 MAX_DECODE_KV_BYTES = 4 << 30
 CPU_PREFILL = ([16], [24, 8])  # the interpreter and CPU torch: tiny workloads only
 CPU_DECODE = ((1, 32), (4, 32))
@@ -110,18 +114,24 @@ def _level(value: int, values: tuple[int, ...]) -> int:
     return 0 if i % 2 == 0 or i == len(doubles) - 1 else 1
 
 
-def _coarse_first(grid: list[tuple]) -> list[tuple]:
-    """The grid by level, coarse first; within a level in bit-reversed order of position, so that a time budget
-    that stops part-way through a level leaves gaps spread over the whole range (not the largest shapes all
-    missing, as a level in axis order did: H200 2026-12-04, 46 of 106 eager decode buckets skipped)."""
+def _coarse_first(grid: list[tuple], group=lambda item: item[1]) -> list[tuple]:
+    """The grid by level, coarse first; within a level the groups (``group``: the batch size or the number of
+    prompts) in bit-reversed order and each group's buckets together, so that a time budget that stops part-way
+    through a level leaves whole batch sizes out, spread over the range (a graph-mode table scores a batch size
+    over its contexts: half of them would bias it) rather than the largest ones all missing."""
     def bit_reversed(i: int, n: int) -> int:
         bits = max(1, (n - 1).bit_length())
         return int(format(i, f"0{bits}b")[::-1], 2)
 
     out = []
     for level in sorted({item[0] for item in grid}):
-        items = [item for item in grid if item[0] == level]
-        out += [items[i] for i in sorted(range(len(items)), key=lambda i: bit_reversed(i, len(items)))]
+        groups: dict = {}
+        for item in grid:
+            if item[0] == level:
+                groups.setdefault(group(item), []).append(item)
+        keys = list(groups)
+        for i in sorted(range(len(keys)), key=lambda i: bit_reversed(i, len(keys))):
+            out += groups[keys[i]]
     return out
 
 
@@ -135,13 +145,13 @@ def prefill_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, l
             if n * length <= MAX_PREFILL_TOKENS:
                 grid.append((max(_level(n, PREFILL_SEQS), _level(length, PREFILL_LENS)), [length] * n))
     grid += [(1, list(lens)) for lens in PREFILL_RAGGED]
-    return _coarse_first(grid)
+    return _coarse_first(grid, group=lambda item: len(item[1]))
 
 
 def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
                 mode: str = "eager") -> list[tuple[int, int, int]]:
     """(level, batch, context length) of the timed decode buckets, coarse grid first (graph mode: the contexts of
-    GRAPH_DECODE_CTX). A bucket's KV cache is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a
+    GRAPH_DECODE_CTX, a bucket's level that of its batch size). A bucket's KV cache is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a
     sixth of it (the torch backend gathers a copy, and a server may select after loading its weights); the cells
     left out are served by their nearest neighbour."""
     if device.type != "cuda":
@@ -152,7 +162,10 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
     for b in DECODE_BATCHES:
         for c in contexts:
             if decode_bytes(spec, b, c) <= cap:
-                grid.append((max(_level(b, DECODE_BATCHES), _level(c, contexts)), b, c))
+                # graph mode: a batch size's level only (its table scores each batch size over all its contexts)
+                level = _level(b, DECODE_BATCHES) if mode == "graph" else max(_level(b, DECODE_BATCHES),
+                                                                              _level(c, contexts))
+                grid.append((level, b, c))
     return _coarse_first(grid)
 
 
@@ -548,6 +561,11 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             cands = {n: b for n, b in cands.items() if n not in pruned}
             coarse = None
         timed = time_bucket(cands, spec, phase, shape, device, mode, reps)
+        if pruned and timed["errors"]:  # a timed candidate failed here: the pruned ones may have to serve it
+            log.info("%s %s %s: %s failed; timed again with the pruned candidates", phase, spec.describe(), label,
+                     ", ".join(timed["errors"]))
+            timed = time_bucket({**cands, **{n: backends.get(n) for n in pruned}}, spec, phase, shape, device,
+                                mode, reps)
         buckets.append({"key": list(key), "label": label, **timed})
         if level == 0 and coarse is not None:
             coarse.append(timed)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import json
+import math
 import logging
 import os
 import resource
@@ -126,7 +127,7 @@ def time_phase(phase: str, spec: AttentionSpec, device: torch.device, job: dict,
     names = [n for n in order["backends"] if outcomes.get((n, phase), n in vouched)]
     budget = order.get("budget_s")
     if budget is not None:
-        budget += unspent_s
+        budget = min(budget + unspent_s, order.get("max_budget_s", math.inf))
     t0 = time.perf_counter()
     try:
         measured = timing.measure(spec, phase, names, device, job.get("mode", "eager"), budget)
