@@ -898,6 +898,9 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
             if name in errors:
                 count, first = errors[name]
                 cand.reason = f"no time in {count} bucket(s): {first}"
+            elif name in dict(table.pruned):
+                cand.reason = (f"not timed on the finer grid: at least {dict(table.pruned)[name]:.2f}x the fastest in "
+                               f"every coarse bucket (its score covers the coarse buckets only)")
         key = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid])
         complete = all(any(n in b["us"] for b in done["buckets"]) for n in valid)
         if cache and complete and phase in to_time and not done.get("transient"):  # out of memory: not a fact
