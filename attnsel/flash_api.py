@@ -10,7 +10,10 @@ The spec is inferred from the tensors; the backend selection runs once per (spec
 and persistent cache as ``attnsel.select``; ``$ATTNSEL_PREFILL_BACKEND`` / ``$ATTNSEL_DECODE_BACKEND`` or
 ``configure()`` choose explicit backends). A call plans on the selected backend and runs; the plan is reused while
 the metadata tensors (cu_seqlens, or cache_seqlens and page_table) are the same tensor objects at the same version
-counter and the host sizes are equal, so the layers of one step share one plan. Rewriting metadata in a way torch does
+counter and the host sizes are equal, so the layers of one step share one plan. Checks that depend only on a
+call's dtypes, head shapes, options and devices run once per combination of them (a plain decode call; calls that
+write new tokens or read an fp8 cache are checked in full every time); the metadata's dtypes and shapes are checked
+when a plan is made. Rewriting metadata in a way torch does
 not count needs ``reset()``: numpy views, DLPack, ``.data``, ``untyped_storage()`` copies, Triton kernels and custom
 ops that write into them, and CUDA graph replays (a graph's writes move no version counter). Metadata tensors made
 under ``torch.inference_mode()`` have no version counter: their plans are never reused (one plan per call, logged
@@ -55,6 +58,11 @@ class UnsupportedArgument(ValueError):
 _options: dict = {}
 _selections: dict = {}
 _specs: dict = {}
+# A call's raw facts (dtypes, shapes but the token/batch counts, options as given with softmax_scale's type: True
+# and 1.0 hash alike, devices) -> the (spec, selection, number) its checks gave: a call whose facts were seen before
+# skips the checks that depend on them only (0.6-0.9 us less host time per call on a CPU here). The metadata's
+# dtypes and shapes are checked when a plan is made (a reused plan was made from those very tensors).
+_calls: dict = {}
 _plans: dict = {}
 _numbers = itertools.count()  # names specs in _plans' slots; never restarts (a reset racing a call cannot reuse one)
 _no_versions_logged: list = []
@@ -75,6 +83,7 @@ def reset() -> None:
     """Forget selections and plans (the persistent result cache stays)."""
     _selections.clear()
     _specs.clear()
+    _calls.clear()
     _plans.clear()
 
 
@@ -157,6 +166,24 @@ def _resolve(func: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: t
         # setdefault: of two threads making the first call of a key at once, both use the first one's entry
         found = _specs.setdefault(key, (spec, selection_for(spec, q.device), next(_numbers)))
     return found
+
+
+def _known(key: tuple):
+    """The (spec, selection, number) remembered for a call's facts, or None (also for facts that cannot be hashed,
+    e.g. a list as window_size: such calls take the checked path every time)."""
+    try:
+        return _calls.get(key)
+    except TypeError:
+        return None
+
+
+def _remember(key: tuple, found: tuple) -> None:
+    try:
+        if len(_calls) >= 4096:  # bounded: facts such as a fresh float softmax_scale per call must not grow it
+            _calls.clear()
+        _calls[key] = found
+    except TypeError:
+        pass
 
 
 def _unit_stride(func: str, **tensors: torch.Tensor) -> None:
@@ -261,10 +288,44 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                            ("sm_margin", sm_margin, 0), ("return_attn_probs", return_attn_probs, False))
                       if x != d})
         _unsupported("flash_attn_varlen_func", given)
-    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
-        raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be int32, got "
-                         f"{cu_seqlens_q.dtype}/{cu_seqlens_k.dtype}")
     qs, ks = q.shape, k.shape
+    found = None
+    if len(qs) == 3 and len(ks) == 3 and v.shape == ks:  # the facts every check below depends on, but the strides
+        key = (q.dtype, k.dtype, v.dtype, qs[1], qs[2], ks[1], ks[2], softmax_scale, type(softmax_scale), causal, window_size, softcap, sinks is None, q.device, k.device,
+               v.device)
+        found = _known(key)
+    if found is not None:
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            _unit_stride("flash_attn_varlen_func", q=q, k=k, v=v)
+        spec, sel, number = found
+    else:
+        spec, sel, number = _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, causal,
+                                            window_size, softcap, sinks)
+        if len(qs) == 3 and len(ks) == 3 and v.shape == ks:
+            _remember(key, (spec, sel, number))
+    host = (int(max_seqlen_q), int(max_seqlen_k), qs[0], ks[0])
+    slot, capturing = ("prefill", number), _capturing(q)
+    run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
+    if run is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
+        if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
+            raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be int32, got "
+                             f"{cu_seqlens_q.dtype}/{cu_seqlens_k.dtype}")
+        if cu_seqlens_q.device != q.device or cu_seqlens_k.device != q.device:
+            raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be on q's device "
+                             f"{q.device}, got {cu_seqlens_q.device}/{cu_seqlens_k.device}")
+        versions = _versions(cu_seqlens_q, cu_seqlens_k)
+        run = _store_plan(slot, cu_seqlens_q, cu_seqlens_k, versions, host, capturing,
+                          sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], total_q=host[2],
+                                           total_k=host[3], checked=False))
+    if sinks is None:
+        return run(q, k, v)
+    return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, qs[1]))
+
+
+def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, causal, window_size, softcap, sinks
+                    ) -> tuple[AttentionSpec, Selection, int]:
+    """flash_attn_varlen_func's argument checks and its (spec, selection, number) for a call whose facts were not
+    seen before (or could not be memoised); raises on the first bad argument."""
     if len(qs) != 3 or len(ks) != 3 or v.shape != ks:
         raise ValueError(f"attnsel.flash_attn_varlen_func: q must be [total_q, heads, head_dim] and k, v "
                          f"[total_k, kv_heads, head_dim] alike; got q {tuple(qs)}, k {tuple(ks)}, "
@@ -277,22 +338,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(
         "flash_attn_varlen_func", causal, window_size, softcap)
     # the spec's checks, and k/v on q's device; the run is the backend's own (checked=False): these checks are its
-    spec, sel, number = _resolve("flash_attn_varlen_func", q, k, v, qs, ks, DEFAULT_PAGE_SIZE, softmax_scale,
-                                 bool(causal), window, cap, sinks is not None)
-    host = (int(max_seqlen_q), int(max_seqlen_k), qs[0], ks[0])
-    slot, capturing = ("prefill", number), _capturing(q)
-    run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
-    if run is None:
-        if cu_seqlens_q.device != q.device or cu_seqlens_k.device != q.device:
-            raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be on q's device "
-                             f"{q.device}, got {cu_seqlens_q.device}/{cu_seqlens_k.device}")
-        versions = _versions(cu_seqlens_q, cu_seqlens_k)
-        run = _store_plan(slot, cu_seqlens_q, cu_seqlens_k, versions, host, capturing,
-                          sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], total_q=host[2],
-                                           total_k=host[3], checked=False))
-    if sinks is None:
-        return run(q, k, v)
-    return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, qs[1]))
+    return _resolve("flash_attn_varlen_func", q, k, v, qs, ks, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window,
+                    cap, sinks is not None)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -334,6 +381,60 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if cache_seqlens is None:
         raise ValueError(f"attnsel.{func}: cache_seqlens is required (tokens already in each sequence's cache)")
     qs, ks, ts = q.shape, k_cache.shape, page_table.shape  # each read once: a shape costs ~0.2 us
+    key = found = None
+    if (k is None and v is None and k_descale is None and v_descale is None and len(qs) == 4 and len(ks) == 4
+            and len(ts) == 2 and ts[0] == qs[0] and v_cache.shape == ks and not isinstance(cache_seqlens, int)):
+        # the facts the checks below depend on, but the strides and the metadata (checked when a plan is made)
+        key = (q.dtype, k_cache.dtype, v_cache.dtype, qs[1], qs[2], qs[3], ks[1], ks[2], ks[3], softmax_scale,
+               type(softmax_scale), causal, window_size, softcap, sinks is None, q.device,
+               k_cache.device, v_cache.device)
+        found = _known(key)
+    if found is not None:
+        if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            _unit_stride(func, q=q, k_cache=k_cache, v_cache=v_cache)
+        spec, sel, number = found
+        batch, page_size, scales = qs[0], ks[1], {}
+        extra = _sinks_kwargs(func, sinks, qs[2]) if sinks is not None else {}
+    else:
+        spec, sel, number, cache_seqlens, scales, extra = _kvcache_checked(
+            q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks, ts, k_descale, v_descale, softmax_scale,
+            causal, window_size, softcap, sinks)
+        batch, page_size = qs[0], ks[1]
+        if key is not None:
+            _remember(key, (spec, sel, number))
+    append = k is not None
+    host = (append, ts[1])
+    slot, capturing = ("decode", number), _capturing(q)
+    plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
+    if plan is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
+        if page_table.dtype != torch.int32:
+            raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {batch}, got "
+                             f"{page_table.dtype} {tuple(ts)}")
+        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+            raise ValueError(f"attnsel.{func}: cache_seqlens must be an int or int32 [{batch}], got "
+                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        if page_table.device != q.device or cache_seqlens.device != q.device:
+            raise ValueError(f"attnsel.{func}: page_table and cache_seqlens must be on q's device {q.device}, got "
+                             f"{page_table.device} and {cache_seqlens.device}")
+        versions = _versions(cache_seqlens, page_table)
+        plan = _store_plan(slot, cache_seqlens, page_table, versions, host, capturing,
+                           _plan_decode(sel, page_table, cache_seqlens, page_size, append))
+    slots, run = plan
+    if append:
+        kvh, d = ks[2], ks[3]
+        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
+        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
+    if sinks is None and not scales:  # q stays [batch, 1, H, D]: the plan's layout is "b1hd"
+        return run(q, k_cache, v_cache)
+    return run(q, k_cache, v_cache, **extra, **scales)
+
+
+def _kvcache_checked(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks, ts, k_descale, v_descale,
+                     softmax_scale, causal, window_size, softcap, sinks) -> tuple:
+    """flash_attn_with_kvcache's argument checks for a call whose facts were not seen before, or that writes new
+    tokens or reads an fp8 cache (checked every call): (spec, selection, number, cache_seqlens as a tensor, the
+    run's descale kwargs, its sinks kwargs); raises on the first bad argument."""
+    func = "flash_attn_with_kvcache"
     if len(qs) != 4 or qs[1] != 1:
         raise UnsupportedArgument(f"attnsel.{func}: q must be [batch, 1, heads, head_dim] (one query token per "
                                   f"sequence), got {tuple(qs)}; use flash_attn_varlen_func for more")
@@ -391,25 +492,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     # are its.
     spec, sel, number = _resolve(func, q, k_cache, v_cache, qs, ks, page_size, softmax_scale, True, window, cap,
                                  sinks is not None)
-    append = k is not None
-    host = (append, ts[1])
-    slot, capturing = ("decode", number), _capturing(q)
-    plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
-    if plan is None:
-        if page_table.device != q.device or cache_seqlens.device != q.device:
-            raise ValueError(f"attnsel.{func}: page_table and cache_seqlens must be on q's device {q.device}, got "
-                             f"{page_table.device} and {cache_seqlens.device}")
-        versions = _versions(cache_seqlens, page_table)
-        plan = _store_plan(slot, cache_seqlens, page_table, versions, host, capturing,
-                           _plan_decode(sel, page_table, cache_seqlens, page_size, append))
-    slots, run = plan
-    if append:
-        kvh, d = ks[2], ks[3]
-        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
-        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
-    if sinks is None and not scales:  # q stays [batch, 1, H, D]: the plan's layout is "b1hd"
-        return run(q, k_cache, v_cache)
-    return run(q, k_cache, v_cache, **extra, **scales)
+    return spec, sel, number, cache_seqlens, scales, extra
 
 
 def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int,

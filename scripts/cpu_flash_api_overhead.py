@@ -1,5 +1,6 @@
-"""Host time of attnsel.flash_attn_with_kvcache's own body on this machine's CPU: the call with its cached plan's
-run function replaced by a no-op, against the no-op alone (32/8 heads, head_dim 128, bf16, batch 8).
+"""Host time of attnsel.flash_attn_with_kvcache's and flash_attn_varlen_func's own bodies on this machine's CPU: the
+call with its cached plan's run function replaced by a no-op, against the no-op alone (32/8 heads, head_dim 128,
+bf16, batch 8; prefill 8 x 128 tokens).
 
 Usage: python3 scripts/cpu_flash_api_overhead.py   (no GPU needed; median of 5 loops of 20000 calls)
 Left out, by running on CPU tensors: the CUDA capture query (0.4-0.6 us on the H200 machine's host) and a run
@@ -42,6 +43,17 @@ def main() -> None:
     q2 = q[:, 0]
     api, direct = per_call_us(call), per_call_us(lambda: noop(q2, kc, vc))
     print(f"flash_attn_with_kvcache: {api:.2f} us per call, no-op run alone {direct:.2f} us: overhead "
+          f"{api - direct:.2f} us")
+    tq = torch.randn(8 * 128, hq, d, dtype=torch.bfloat16)
+    tk = torch.randn(8 * 128, hk, d, dtype=torch.bfloat16)
+    tv = torch.randn_like(tk)
+    cu = torch.arange(0, 8 * 128 + 1, 128, dtype=torch.int32)
+    call = lambda: attnsel.flash_attn_varlen_func(tq, tk, tv, cu, cu, 128, 128, causal=True)  # noqa: E731
+    call()
+    slot = next(s for s in flash_api._plans if s[0] == "prefill")
+    flash_api._plans[slot] = flash_api._plans[slot][:-1] + (noop,)
+    api, direct = per_call_us(call), per_call_us(lambda: noop(tq, tk, tv))
+    print(f"flash_attn_varlen_func: {api:.2f} us per call, no-op run alone {direct:.2f} us: overhead "
           f"{api - direct:.2f} us")
 
 

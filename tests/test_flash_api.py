@@ -664,3 +664,46 @@ def test_cache_dtype_and_head_mismatches_are_named_in_the_callers_terms(monkeypa
     with pytest.raises(attnsel.spec.SpecError, match=r"flash_attn_with_kvcache: q \(2, 1, 4, 8\) and k_cache "
                                                      r"\(8, 4, 3, 8\) give no valid spec: .*multiple"):
         attnsel.flash_attn_with_kvcache(q, kc3, kc3.clone(), cache_seqlens=seqlens, page_table=table)
+
+
+def test_every_check_still_runs_after_a_good_call_with_the_same_facts(monkeypatch):
+    """A call whose facts (dtypes, head shapes, options, devices) were seen before skips the checks that depend on them
+    alone; every other bad argument must still be refused after a good call: another device, a strided last
+    dimension, v's shape, softmax_scale=True (hashes like 1.0), and metadata of the wrong dtype or shape (checked when
+    a plan is made)."""
+    hq, hk, d, ps, kc, table, seqlens, q, k_new = _small_decode(monkeypatch)
+    meta = dict(device="meta")
+    good = dict(cache_seqlens=seqlens, page_table=table)
+    for scale in (None, 1.0):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), softmax_scale=scale, **good)
+    with pytest.raises(ValueError, match="must be on one device"):
+        attnsel.flash_attn_with_kvcache(q, kc.to(**meta), kc.to(**meta), **good)
+    with pytest.raises(ValueError, match=r"k_cache's last dimension must be contiguous"):
+        attnsel.flash_attn_with_kvcache(q, torch.zeros(8, ps, hk, 2 * d, device=DEV)[..., ::2], kc, **good)
+    with pytest.raises(ValueError, match="softmax_scale must be None"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), softmax_scale=True, **good)
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens, page_table=table.long())
+    with pytest.raises(ValueError, match="cache_seqlens must be an int or int32"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens.long(), page_table=table)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be an int or int32 \[2\]"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens[:, None], page_table=table)
+    with pytest.raises(ValueError, match="page_table must be int32 \\[batch, max_pages\\] with batch 2"):
+        attnsel.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens, page_table=table[:1])
+    qv, kv, vv, cu_q, cu_k = ragged([2, 3], [2, 3], hq, hk, d, torch.float32)
+    for scale in (None, 1.0):
+        attnsel.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 3, 3, causal=True, softmax_scale=scale)
+    with pytest.raises(ValueError, match="q, k and v must be on one device"):
+        attnsel.flash_attn_varlen_func(qv, kv.to(**meta), vv.to(**meta), cu_q, cu_k, 3, 3, causal=True)
+    with pytest.raises(ValueError, match="cu_seqlens_q/cu_seqlens_k must be int32"):
+        attnsel.flash_attn_varlen_func(qv, kv, vv, cu_q.long(), cu_k, 3, 3, causal=True)
+    with pytest.raises(ValueError, match=r"q's last dimension must be contiguous"):
+        attnsel.flash_attn_varlen_func(torch.randn(5, hq, 2 * d, device=DEV)[..., ::2], kv, vv, cu_q, cu_k, 3, 3,
+                                       causal=True)
+    with pytest.raises(ValueError, match="k, v .* alike"):
+        attnsel.flash_attn_varlen_func(qv, kv, vv[:4], cu_q, cu_k, 3, 3, causal=True)
+    with pytest.raises(ValueError, match="softmax_scale must be None"):
+        attnsel.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 3, 3, causal=True, softmax_scale=True)
+    with pytest.raises(ValueError, match="q, k, v must share a dtype"):
+        attnsel.flash_attn_varlen_func(qv, kv, vv.double(), cu_q, cu_k, 3, 3, causal=True)
+    assert kc.abs().sum().item() == 0
