@@ -43,6 +43,18 @@ class ResultCache:
         self.path = self.dir / FILENAME
         self.lock = filelock.FileLock(str(self.path) + ".lock", timeout=120)
 
+    def prepare(self) -> None:
+        """Make the cache directory if it is missing; ValueError naming it when it cannot be one (a file is in the
+        way, no permission): checked before a selection spends minutes validating, whose results it could not
+        keep."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            where = f"${ENV_DIR}" if os.environ.get(ENV_DIR) and self.dir == default_dir() else "the cache directory"
+            raise ValueError(f"{where} {str(self.dir)!r} cannot be used as a directory ({exc.strerror or exc}); give "
+                             "a directory attnsel may write to, or turn the cache off (--no-cache, use_cache=False)"
+                             ) from None
+
     def _read(self) -> dict:
         try:
             text = self.path.read_text()

@@ -17,7 +17,7 @@ from rich.text import Text
 from . import __version__, backends, serve
 from .backends import UnknownBackendError
 from .cache import ResultCache
-from .selection import AUTO, MODES, POLICIES, Selection, SelectionError, select
+from .selection import AUTO, DEFAULT_PRIORITY, MODES, POLICIES, Selection, SelectionError, select
 from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs
 
 log = logging.getLogger("attnsel")
@@ -63,8 +63,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("selection", f"built-in backends: {', '.join(backends.BUILTINS)} (plugins from "
-                                          "$ATTNSEL_BACKENDS or entry points add theirs; `attnsel report` lists all)")
+    opt_in = [n for n in backends.BUILTINS if not any(n in DEFAULT_PRIORITY[ph] for ph in DEFAULT_PRIORITY)]
+    g = p.add_argument_group("selection", f"built-in backends: {', '.join(backends.BUILTINS)}. 'auto' "
+                                          f"tries all but {', '.join(opt_in)} (opt-in: name them in "
+                                          "--prefill-priority/--decode-priority or as the backend). Plugins from "
+                                          "$ATTNSEL_BACKENDS or entry points add theirs; `attnsel report` shows the "
+                                          "candidates of a selection")
     g.add_argument("--llm_prefill_att_backend", "--prefill-backend", dest="prefill",
                    help="'auto' (default; $ATTNSEL_PREFILL_BACKEND) or a backend name")
     g.add_argument("--llm_decode_att_backend", "--decode-backend", dest="decode",
@@ -145,7 +149,10 @@ def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str]:
     env, flag = ENV_BACKENDS[phase]
     value = getattr(args, phase)
     if value is not None:
-        return value, flag
+        alias = f"--{phase}-backend"  # argparse takes unambiguous prefixes too: name the flag they stand for
+        typed = [f for a in getattr(args, "argv", []) if a.startswith("--") and len(a.split("=", 1)[0]) > 2
+                 for f in (flag, alias) if f.startswith(a.split("=", 1)[0])]
+        return value, (typed[-1] if typed else flag)  # the last one given wins in argparse
     if os.environ.get(env):
         return os.environ[env], f"{env}={os.environ[env]} (environment variable)"
     return AUTO, flag
@@ -532,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # which spelling of a flag the user typed, for errors
     if unknown:  # named by the command's own parser, with its usage (the top-level usage lists no command's flags)
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     err = Console(stderr=True)

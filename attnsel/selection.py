@@ -19,7 +19,7 @@ from .cache import ResultCache, entry_key
 from .device import fingerprint
 from .dist import agree
 from .spec import AttentionSpec
-from .validate import runner, timing
+from .validate import runner, seconds_from_env, timing
 
 log = logging.getLogger(__name__)
 
@@ -722,6 +722,8 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if timeout is None:
         runner.default_timeout()  # a bad ATTNSEL_VALIDATION_TIMEOUT is an error now, not when a worker starts
+    # likewise ATTNSEL_CHECK_TIMEOUT_S (read by every backend's availability check, which turns errors into reasons)
+    seconds_from_env(backends.CHECK_TIMEOUT_ENV, backends.DEFAULT_CHECK_TIMEOUT_S)
     if budget_s is None:
         budget_s = timing.budget_from_env()
     elif not budget_s > 0:
@@ -795,6 +797,8 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
     timed = [p for p in PHASES if policy == "measure" and choices[p] == AUTO
              and sum((n, p) in keys for n in names[p]) > 1]
     cache = ResultCache(cache_dir) if use_cache else None
+    if cache is not None:
+        cache.prepare()
     cached = cache.get_many(list(keys.values())) if cache else {}
     todo = [t for t in keys if keys[t] not in cached
             or (mode == "graph" and cached[keys[t]]["status"] == "valid" and "graph_capture" not in cached[keys[t]])]

@@ -310,6 +310,9 @@ def test_help_names_the_built_in_backends(capsys):
     assert "built-in backends:" in out
     for name in backends.BUILTINS:
         assert name in out, name
+    # the opt-in variants are named as such (the help said `attnsel report` lists all, but its default candidates
+    # leave them out)
+    assert re.search(r"'auto' tries all but flashinfer_fa2, flashinfer_fa3, flashinfer_xqa \(opt- ?in", out), out
 
 
 def test_a_closed_output_pipe_exits_quietly(tmp_path):
@@ -333,3 +336,42 @@ def test_a_bad_validation_timeout_variable_is_refused_even_on_a_cache_hit(capsys
     code, _, err = run(capsys, "report", *SMALL, "--policy", "priority")
     assert code == 2 and "ATTNSEL_VALIDATION_TIMEOUT must be a number of seconds, got 'soon'" in " ".join(err.split())
     assert runner.spawn_count == spawned  # refused before a worker started
+
+
+def test_a_bad_check_timeout_variable_is_one_line_exit_2(capsys, monkeypatch):
+    """ATTNSEL_CHECK_TIMEOUT_S is read by every backend's availability check, which turns what it raises into a
+    reason; a bad value gave a traceback per backend and exit 3. Now: refused up front, one line, exit 2."""
+    monkeypatch.setenv("ATTNSEL_CHECK_TIMEOUT_S", "abc")
+    code, out, err = run(capsys, "report", *SMALL, "--policy", "priority", "--no-cache")
+    assert code == 2 and out == ""
+    assert err.strip() == "attnsel: error: ATTNSEL_CHECK_TIMEOUT_S must be a number of seconds, got 'abc'"
+
+
+@pytest.mark.parametrize("via", ["env", "flag"])
+def test_a_cache_dir_that_is_a_file_is_refused_before_validation(capsys, monkeypatch, tmp_path, via):
+    """A cache directory that cannot be one raised FileExistsError after the whole validation (exit 1); now a clear
+    error before any worker starts, exit 2."""
+    from attnsel.validate import runner
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    spawned = runner.spawn_count
+    if via == "env":
+        monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(blocker))
+        code, _, err = run(capsys, "report", *SMALL, "--policy", "priority")
+        where = "$ATTNSEL_CACHE_DIR"
+    else:
+        code, _, err = run(capsys, "report", *SMALL, "--policy", "priority", "--cache-dir", str(blocker / "sub"))
+        where = "the cache directory"
+    text = " ".join(err.split())
+    assert code == 2 and text.startswith(f"attnsel: error: {where} '{blocker}") and "cannot be used as a directory" \
+        in text and "--no-cache" in text
+    assert runner.spawn_count == spawned
+
+
+@pytest.mark.parametrize("typed", ["--decode-backend", "--decode-backend=", "--llm_decode_att_backend", "--decode-b"])
+def test_an_unknown_backend_error_names_the_flag_as_typed(capsys, typed):
+    argv = [typed + "nope"] if typed.endswith("=") else [typed, "nope"]
+    code, _, err = run(capsys, "report", *SMALL, *argv)
+    name = typed.rstrip("=") if typed != "--decode-b" else "--decode-backend"
+    assert code == 2 and err.startswith(f"attnsel: error: {name}: unknown backend 'nope'")
