@@ -8,6 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from attnsel import flash_api  # noqa: E402
 from attnsel.integrations import hf, hf_kernels  # noqa: E402
+from tests.cb_config import small_cache  # noqa: E402
 
 MINOR = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 pytestmark = pytest.mark.skipif(MINOR < (5, 19), reason="transformers < 5.19 serves continuous batching through "
@@ -40,7 +41,8 @@ def batch_tokens(path, implementation):
     model = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation=implementation,
                                                           dtype=torch.float32).eval()
     gen = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
-    out = model.generate_batch(PROMPTS, generation_config=gen, progress_bar=False)
+    out = model.generate_batch(PROMPTS, generation_config=gen, progress_bar=False,
+                               continuous_batching_config=small_cache())
     return [out[r].generated_tokens for r in sorted(out, key=lambda r: int(r.split("_")[-1]))], model
 
 

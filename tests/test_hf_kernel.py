@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from attnsel import flash_api  # noqa: E402
 from attnsel.integrations import hf, hf_kernels  # noqa: E402
+from tests.cb_config import small_cache  # noqa: E402
 
 pytestmark = pytest.mark.skipif(hf_kernels.kernel_unsupported() is not None,
                                 reason=f"{hf_kernels.kernel_unsupported()} (.ci/run tests the newest transformers)")
@@ -53,7 +54,8 @@ def test_generate_batch_matches_builtin(tiny_llama):
     gen = transformers.GenerationConfig(max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
 
     def tokens(model):
-        out = model.generate_batch(PROMPTS, generation_config=gen, progress_bar=False)
+        out = model.generate_batch(PROMPTS, generation_config=gen, progress_bar=False,
+                                   continuous_batching_config=small_cache())
         return [out[r].generated_tokens for r in sorted(out, key=lambda r: int(r.split("_")[-1]))]
 
     expected = tokens(load(tiny_llama, "sdpa"))
