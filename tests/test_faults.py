@@ -242,7 +242,10 @@ def test_worker_path_reports_input_mutation(monkeypatch):
 
 
 _INTERRUPTED = """
-import logging, sys
+import logging, signal, sys
+# Ctrl-C as an interactive user's process gets it: a job started in the background by a non-interactive shell
+# inherits SIGINT ignored (CI launched with `bash -c '... &'` did), and then the signal never reaches Python
+signal.signal(signal.SIGINT, signal.default_int_handler)
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
 from attnsel import select
 from attnsel.spec import AttentionSpec
