@@ -45,8 +45,9 @@ class ResultCache:
 
     def prepare(self) -> None:
         """Make the cache directory if it is missing; ValueError naming it when it cannot be one (a file is in the
-        way, no permission): checked before a selection spends minutes validating, whose results it could not
-        keep."""
+        way, a path it may not create): checked before a selection spends minutes validating, whose results it
+        could not keep. An existing directory passes even when read-only (a complete cache shipped read-only is
+        usable; storing new entries there still fails when they are written)."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -106,7 +107,12 @@ class ResultCache:
         return self._read()
 
     def clear(self) -> int:
-        """Remove the results file; returns how many entries it held."""
+        """Remove the results file; returns how many entries it held (0 when there is no cache directory). ValueError
+        when the directory cannot be one (see prepare)."""
+        if not self.dir.is_dir():
+            if self.dir.exists() or any(parent.exists() and not parent.is_dir() for parent in self.dir.parents):
+                self.prepare()  # raises, naming the path
+            return 0
         with self.lock:
             count = len(self._read())
             self.path.unlink(missing_ok=True)

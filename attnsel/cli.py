@@ -107,6 +107,11 @@ def _named(exc: SpecError, given: dict, from_config: bool) -> SpecError:
         for field, flag in FIELD_FLAGS.items():
             msg = re.sub(rf"\b{field}\b", f"the config's {field}" if from_config and field not in given else flag,
                          msg)
+        # "must be None or ..." is Python's wording: on a command line, None is leaving the flag out
+        msg = re.sub(r"^(--[a-z-]+) must be None or (.*?), got (.*)$", r"\1 must be \2 (leave the flag out for none),"
+                     r" got \3", msg)
+        msg = re.sub(r"^(--[a-z-]+) must be (.*?) or None, got (.*)$", r"\1 must be \2 (leave the flag out for the"
+                     r" default), got \3", msg)
     return SpecError(msg, exc.field)
 
 

@@ -14,7 +14,8 @@ counter and the host sizes are equal, so the layers of one step share one plan. 
 call's dtypes, head shapes, options and devices run once per combination of them (a plain decode call; calls that
 write new tokens or read an fp8 cache are checked in full every time); the metadata's dtypes and shapes are checked
 when a plan is made. Rewriting metadata in a way torch does
-not count needs ``reset()``: numpy views, DLPack, ``.data``, ``untyped_storage()`` copies, Triton kernels and custom
+not count needs ``reset()``: numpy views, DLPack, ``.data`` (also one that changes a dtype: the metadata's dtypes
+are checked when a plan is made), ``untyped_storage()`` copies, Triton kernels and custom
 ops that write into them, and CUDA graph replays (a graph's writes move no version counter). Metadata tensors made
 under ``torch.inference_mode()`` have no version counter: their plans are never reused (one plan per call, logged
 once); allocate them outside inference mode to share a plan across layers.
@@ -59,10 +60,13 @@ _options: dict = {}
 _selections: dict = {}
 _specs: dict = {}
 # A call's raw facts (dtypes, shapes but the token/batch counts, options as given with softmax_scale's type: True
-# and 1.0 hash alike, devices) -> the (spec, selection, number) its checks gave: a call whose facts were seen before
-# skips the checks that depend on them only (0.6-0.9 us less host time per call on a CPU here). The metadata's
+# and 1.0 hash alike; only plain Python options: a tensor given as causal, softcap or a window bound hashes by
+# identity and could change in place, such calls are checked in full every time; devices) -> the (spec, selection,
+# number) its checks gave: a call whose facts were seen before skips the checks that depend on them only (0.6-0.9 us less host time per call on a CPU here). The metadata's
 # dtypes and shapes are checked when a plan is made (a reused plan was made from those very tensors).
 _calls: dict = {}
+_generation = 0  # reset() counts up: a check that straddles a reset does not store into the memo
+_REALS = (float, int)  # softcap types memoised by value (a tensor option hashes by identity: checked every call)
 _plans: dict = {}
 _numbers = itertools.count()  # names specs in _plans' slots; never restarts (a reset racing a call cannot reuse one)
 _no_versions_logged: list = []
@@ -81,6 +85,8 @@ def configure(prefill: str | None = None, decode: str | None = None, **select_op
 
 def reset() -> None:
     """Forget selections and plans (the persistent result cache stays)."""
+    global _generation
+    _generation += 1
     _selections.clear()
     _specs.clear()
     _calls.clear()
@@ -177,13 +183,20 @@ def _known(key: tuple):
         return None
 
 
-def _remember(key: tuple, found: tuple) -> None:
+def _remember(key: tuple, found: tuple, generation: int) -> None:
+    """Keep found for key unless reset() ran since the checks that gave it began (generation: _generation then);
+    a selection forgotten by configure() must not come back through the memo. reset() counts up before it clears:
+    a store before the count is cleared by it, one after is taken back here."""
+    if generation != _generation:
+        return
     try:
         if len(_calls) >= 4096:  # bounded: facts such as a fresh float softmax_scale per call must not grow it
             _calls.clear()
         _calls[key] = found
     except TypeError:
-        pass
+        return
+    if generation != _generation:
+        _calls.pop(key, None)
 
 
 def _unit_stride(func: str, **tensors: torch.Tensor) -> None:
@@ -289,20 +302,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                       if x != d})
         _unsupported("flash_attn_varlen_func", given)
     qs, ks = q.shape, k.shape
-    found = None
-    if len(qs) == 3 and len(ks) == 3 and v.shape == ks:  # the facts every check below depends on, but the strides
-        key = (q.dtype, k.dtype, v.dtype, qs[1], qs[2], ks[1], ks[2], softmax_scale, type(softmax_scale), causal, window_size, softcap, sinks is None, q.device, k.device,
-               v.device)
+    key = found = None
+    if (len(qs) == 3 and len(ks) == 3 and v.shape == ks and type(causal) is bool and type(softcap) in _REALS
+            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int):  # the facts the checks below depend on, but the strides
+        key = (q.dtype, k.dtype, v.dtype, qs[1], qs[2], ks[1], ks[2], softmax_scale, type(softmax_scale), causal,
+               window_size, softcap, sinks is None, q.device, k.device, v.device)
         found = _known(key)
     if found is not None:
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
             _unit_stride("flash_attn_varlen_func", q=q, k=k, v=v)
         spec, sel, number = found
     else:
+        generation = _generation
         spec, sel, number = _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, causal,
                                             window_size, softcap, sinks)
-        if len(qs) == 3 and len(ks) == 3 and v.shape == ks:
-            _remember(key, (spec, sel, number))
+        if key is not None:
+            _remember(key, (spec, sel, number), generation)
     host = (int(max_seqlen_q), int(max_seqlen_k), qs[0], ks[0])
     slot, capturing = ("prefill", number), _capturing(q)
     run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
@@ -383,7 +399,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     qs, ks, ts = q.shape, k_cache.shape, page_table.shape  # each read once: a shape costs ~0.2 us
     key = found = None
     if (k is None and v is None and k_descale is None and v_descale is None and len(qs) == 4 and len(ks) == 4
-            and len(ts) == 2 and ts[0] == qs[0] and v_cache.shape == ks and not isinstance(cache_seqlens, int)):
+            and len(ts) == 2 and ts[0] == qs[0] and v_cache.shape == ks and not isinstance(cache_seqlens, int)
+            and type(causal) is bool and type(softcap) in _REALS and type(window_size) is tuple
+            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int):
         # the facts the checks below depend on, but the strides and the metadata (checked when a plan is made)
         key = (q.dtype, k_cache.dtype, v_cache.dtype, qs[1], qs[2], qs[3], ks[1], ks[2], ks[3], softmax_scale,
                type(softmax_scale), causal, window_size, softcap, sinks is None, q.device,
@@ -396,12 +414,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         batch, page_size, scales = qs[0], ks[1], {}
         extra = _sinks_kwargs(func, sinks, qs[2]) if sinks is not None else {}
     else:
+        generation = _generation
         spec, sel, number, cache_seqlens, scales, extra = _kvcache_checked(
             q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks, ts, k_descale, v_descale, softmax_scale,
             causal, window_size, softcap, sinks)
         batch, page_size = qs[0], ks[1]
         if key is not None:
-            _remember(key, (spec, sel, number))
+            _remember(key, (spec, sel, number), generation)
     append = k is not None
     host = (append, ts[1])
     slot, capturing = ("decode", number), _capturing(q)

@@ -735,6 +735,16 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
         raise ValueError(f"device {device!r} is not a torch device ({exc})") from None
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was requested but no CUDA device is available")
+    if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= \
+            torch.cuda.device_count():
+        raise ValueError(f"device {device!r} was requested but this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
+    if kind == "meta":
+        raise ValueError("device 'meta' holds no data: attnsel validates and times on a real device (cpu, cuda)")
+    if kind not in ("cpu", "cuda"):  # xpu, mps, ...: the torch backend may serve them, when torch can use them
+        available = getattr(getattr(torch, kind, None), "is_available", None)
+        if available is None or not available():
+            raise ValueError(f"device {device!r} was requested but torch cannot use {kind} devices on this machine")
     choices = {"prefill": prefill, "decode": decode}
     for choice in choices.values():
         if choice != AUTO:

@@ -375,3 +375,49 @@ def test_an_unknown_backend_error_names_the_flag_as_typed(capsys, typed):
     code, _, err = run(capsys, "report", *SMALL, *argv)
     name = typed.rstrip("=") if typed != "--decode-b" else "--decode-backend"
     assert code == 2 and err.startswith(f"attnsel: error: {name}: unknown backend 'nope'")
+
+
+def test_an_infinite_check_timeout_means_no_limit(capsys, monkeypatch):
+    """ATTNSEL_CHECK_TIMEOUT_S=inf passed the up-front check, then every backend's availability check raised
+    OverflowError (thread.join(inf)) and the report exited 3 with every backend unavailable."""
+    monkeypatch.setenv("ATTNSEL_CHECK_TIMEOUT_S", "inf")
+    code, out, err = run(capsys, "report", *SMALL, "--policy", "priority", "--no-cache", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    for phase in ("prefill", "decode"):
+        status = {c["name"]: c["status"] for c in data[phase]["candidates"]}
+        assert status["torch"] in ("selected", "valid")
+    assert "OverflowError" not in out + err
+
+
+def test_a_device_torch_cannot_use_is_refused_even_on_a_cache_hit(capsys):
+    """--device xpu:0 / mps / meta on a machine without them: the worker died twice (exit 3) on a cold cache, and on
+    a warm one the report said 'cache: hit' for the CPU and exited 0. Now one line, exit 2, either way."""
+    assert run(capsys, "report", *SMALL, "--policy", "priority")[0] == 0  # a warm cache for the CPU
+    for device, words in (("xpu:0", "torch cannot use xpu devices on this machine"),
+                          ("meta", "device 'meta' holds no data")):
+        code, out, err = run(capsys, "report", *SMALL, "--policy", "priority", "--device", device)
+        assert code == 2 and out == "" and words in " ".join(err.split()), err
+
+
+def test_cache_clear_on_a_file_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    """`attnsel cache clear` with ATTNSEL_CACHE_DIR naming a regular file raised FileExistsError from the file lock
+    (traceback, exit 1); a missing directory has nothing to clear."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(blocker))
+    code, _, err = run(capsys, "cache", "clear")
+    assert code == 2 and "cannot be used as a directory" in " ".join(err.split())
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path / "missing"))
+    code, out, _ = run(capsys, "cache", "clear")
+    assert code == 0 and out.startswith("removed 0 entries")
+
+
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--softcap", "-1", "--softcap must be a positive finite number (leave the flag out for none), got -1.0"),
+    ("--softmax-scale", "-1", "--softmax-scale must be a positive finite number (leave the flag out for the default), "
+                              "got -1.0")])
+def test_flag_errors_do_not_say_none(capsys, flag, value, expected):
+    """The spec's messages say "must be None or ..." (Python's words); a command line has no None."""
+    code, _, err = run(capsys, "report", *SMALL, flag, value)
+    assert code == 2 and " ".join(err.split()) == f"attnsel: error: {expected}"

@@ -707,3 +707,43 @@ def test_every_check_still_runs_after_a_good_call_with_the_same_facts(monkeypatc
     with pytest.raises(ValueError, match="q, k, v must share a dtype"):
         attnsel.flash_attn_varlen_func(qv, kv, vv.double(), cu_q, cu_k, 3, 3, causal=True)
     assert kc.abs().sum().item() == 0
+
+
+def test_options_given_as_tensors_are_read_every_call(monkeypatch):
+    """causal / softcap / window bounds given as 0-dim tensors hash by identity: a memo keyed on them would keep the
+    first call's meaning after the tensor changed in place (it did: a causal tensor set to False still gave causal
+    attention). Such calls are checked in full every time."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    q, k, v, cu_q, cu_k = ragged([2, 3], [2, 3], 4, 2, 8, torch.float32)
+    scale = 8 ** -0.5
+    flag = torch.tensor(True)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=flag)
+    flag.fill_(False)
+    out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=flag)
+    ref = reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), [2, 3], [2, 3], scale, causal=False)
+    assert (out.float().cpu() - ref).abs().max().item() < 1e-5
+    cap = torch.tensor(0.0)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softcap=cap)
+    cap.fill_(-1.0)
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softcap=cap)
+
+
+def test_a_reset_during_the_checks_is_not_undone_by_the_memo(monkeypatch):
+    """configure() between a call's checks and its memo store: the call's (old) selection must not be stored after
+    the reset (it was, and every later call used the forgotten backend)."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    q, k, v, cu_q, cu_k = ragged([2, 3], [2, 3], 4, 2, 8, torch.float32)
+    real = flash_api._resolve
+
+    def reset_meanwhile(*args, **kwargs):
+        found = real(*args, **kwargs)
+        monkeypatch.setattr(flash_api, "_resolve", real)
+        flash_api.configure(policy="priority")  # another thread reconfigures here
+        return found
+
+    monkeypatch.setattr(flash_api, "_resolve", reset_meanwhile)
+    attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True)
+    assert not flash_api._calls and not flash_api._selections

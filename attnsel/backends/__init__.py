@@ -242,7 +242,7 @@ def _bounded(fn: Callable, name: str, what: str):
 
     thread = threading.Thread(target=target, name=f"attnsel {name} {what}", daemon=True)
     thread.start()
-    thread.join(timeout)
+    thread.join(min(timeout, threading.TIMEOUT_MAX))  # "inf" means no limit; join(inf) raises OverflowError
     if thread.is_alive():
         raise _Hung(f"{name}'s {what} did not return within {timeout:g} s ({CHECK_TIMEOUT_ENV}); it is left "
                     "running in a background thread and the backend is treated as unavailable")
