@@ -62,8 +62,9 @@ _specs: dict = {}
 # A call's raw facts (dtypes, shapes but the token/batch counts, options as given with softmax_scale's type: True
 # and 1.0 hash alike; only plain Python options: a tensor given as causal, softcap or a window bound hashes by
 # identity and could change in place, such calls are checked in full every time; devices) -> the (spec, selection,
-# number) its checks gave: a call whose facts were seen before skips the checks that depend on them only (0.6-0.9 us less host time per call on a CPU here). The metadata's
-# dtypes and shapes are checked when a plan is made (a reused plan was made from those very tensors).
+# number) its checks gave: a call whose facts were seen before skips the checks that depend on them only (0.6-0.9 us
+# less host time per call on a CPU here). The metadata's dtypes and shapes are checked when a plan is made (a reused
+# plan was made from those very tensors).
 _calls: dict = {}
 _generation = 0  # reset() counts up: a check that straddles a reset does not store into the memo
 _REALS = (float, int)  # softcap types memoised by value (a tensor option hashes by identity: checked every call)
