@@ -462,7 +462,7 @@ def _kvcache_checked(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, k
         raise ValueError(f"attnsel.{func}: k_cache and v_cache must both be [num_pages, page_size, kv_heads, "
                          f"head_dim] of one dtype, got {tuple(ks)} {k_cache.dtype} and "
                          f"{tuple(v_cache.shape)} {v_cache.dtype}")
-    if page_table.dtype != torch.int32 or len(ts) != 2 or ts[0] != qs[0]:
+    if len(ts) != 2 or ts[0] != qs[0]:  # its dtype, and cache_seqlens', are checked where a plan is made
         raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {qs[0]}, got "
                          f"{page_table.dtype} {tuple(ts)}")
     if (k is None) != (v is None):
@@ -472,9 +472,6 @@ def _kvcache_checked(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, k
     batch, page_size = qs[0], ks[1]
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
-    elif cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
-        raise ValueError(f"attnsel.{func}: cache_seqlens must be an int or int32 [{batch}], got "
-                         f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
     scales = {}
     if k_cache.dtype != q.dtype:
         if k_cache.dtype != torch.float8_e4m3fn:
