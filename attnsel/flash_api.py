@@ -184,6 +184,15 @@ def _known(key: tuple):
         return None
 
 
+def _plain(causal, window_size, softcap) -> bool:
+    """Whether a call's options are plain Python values that the memo may key on: a bool, a tuple of two ints, a
+    float or int. A tensor option hashes by identity and could change in place; a call with one is never
+    remembered, so it is checked in full every time (the memo's key holds each option's type beside its value, so
+    a lookup cannot match a remembered call through equal values of another type)."""
+    return (type(causal) is bool and type(softcap) in _REALS and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int)
+
+
 def _remember(key: tuple, found: tuple, generation: int) -> None:
     """Keep found for key unless reset() ran since the checks that gave it began (generation: _generation then);
     a selection forgotten by configure() must not come back through the memo. reset() counts up before it clears:
@@ -304,11 +313,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _unsupported("flash_attn_varlen_func", given)
     qs, ks = q.shape, k.shape
     key = found = None
-    if (len(qs) == 3 and len(ks) == 3 and v.shape == ks and type(causal) is bool and type(softcap) in _REALS
-            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
-            and type(window_size[1]) is int):  # the facts the checks below depend on, but the strides
+    if len(qs) == 3 and len(ks) == 3 and v.shape == ks:  # the facts the checks below depend on, but the strides
         key = (q.dtype, k.dtype, v.dtype, qs[1], qs[2], ks[1], ks[2], softmax_scale, type(softmax_scale), causal,
-               window_size, softcap, sinks is None, q.device, k.device, v.device)
+               type(causal), window_size, type(window_size), softcap, type(softcap), sinks is None, q.device,
+               k.device, v.device)
         found = _known(key)
     if found is not None:
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
@@ -318,7 +326,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         generation = _generation
         spec, sel, number = _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, causal,
                                             window_size, softcap, sinks)
-        if key is not None:
+        if key is not None and _plain(causal, window_size, softcap):
             _remember(key, (spec, sel, number), generation)
     host = (int(max_seqlen_q), int(max_seqlen_k), qs[0], ks[0])
     slot, capturing = ("prefill", number), _capturing(q)
@@ -400,13 +408,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     qs, ks, ts = q.shape, k_cache.shape, page_table.shape  # each read once: a shape costs ~0.2 us
     key = found = None
     if (k is None and v is None and k_descale is None and v_descale is None and len(qs) == 4 and len(ks) == 4
-            and len(ts) == 2 and ts[0] == qs[0] and v_cache.shape == ks and not isinstance(cache_seqlens, int)
-            and type(causal) is bool and type(softcap) in _REALS and type(window_size) is tuple
-            and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int):
+            and len(ts) == 2 and ts[0] == qs[0] and v_cache.shape == ks and not isinstance(cache_seqlens, int)):
         # the facts the checks below depend on, but the strides and the metadata (checked when a plan is made)
         key = (q.dtype, k_cache.dtype, v_cache.dtype, qs[1], qs[2], qs[3], ks[1], ks[2], ks[3], softmax_scale,
-               type(softmax_scale), causal, window_size, softcap, sinks is None, q.device,
-               k_cache.device, v_cache.device)
+               type(softmax_scale), causal, type(causal), window_size, type(window_size), softcap, type(softcap),
+               sinks is None, q.device, k_cache.device, v_cache.device)
         found = _known(key)
     if found is not None:
         if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -420,7 +426,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks, ts, k_descale, v_descale, softmax_scale,
             causal, window_size, softcap, sinks)
         batch, page_size = qs[0], ks[1]
-        if key is not None:
+        if key is not None and _plain(causal, window_size, softcap):
             _remember(key, (spec, sel, number), generation)
     append = k is not None
     host = (append, ts[1])

@@ -281,3 +281,53 @@ def test_decode_plan_reused_many_times_eager_and_graph(name, shape):
             reason = cases.spot_check(spec, "decode", (page_table, seq_lens), s, out, {})
             assert reason is None, f"{name} graph replay, set {i}: {reason}"
     _record(spec="reuse", backend=name, phase="decode", shape=list(shape), result="ok")
+
+
+# batch, context lengths of the rows: split plans of 2 to 50 splits, a ragged batch (rows use different splits)
+MERGE_SHAPES = {"1x9000": [9000], "4x3000": [3000] * 4, "8-ragged": [9000, 17, 0, 300, 1200, 5, 64, 2048],
+                "24x512": [512] * 24}
+
+
+@pytest.mark.parametrize("lens", list(MERGE_SHAPES.values()), ids=list(MERGE_SHAPES))
+def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
+    """Triton's split decode merges the splits inside the decode kernel (the last program of a row and KV head to
+    arrive merges): under real concurrency a merge by a program that is not the last, or before the others' stores
+    are visible, gives a wrong or varying output. Per shape: the float32 reference per row; 200 eager runs and 50
+    CUDA-graph replays bitwise equal to the first run (the merge's order is fixed, so any race shows as a
+    difference); and bitwise equal to the plan that merges in a second kernel (same arithmetic)."""
+    import attnsel.backends.triton as tb
+    from tests.feature_cases import reference
+
+    spec = SPECS["gqa4-d128-bf16"]
+    torch.manual_seed(0)
+    dev, ps, batch = torch.device("cuda"), spec.page_size, len(lens)
+    pages = max(-(-n // ps) for n in lens) + 1
+    k_cache = torch.randn(batch * pages, ps, 8, 128, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(batch * pages, device=dev, dtype=torch.int32).view(batch, pages)
+    seq_lens = torch.tensor(lens, device=dev, dtype=torch.int32)
+    q = torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert tb.decode_splits(batch, 8, max(lens), sum(lens), tb.decode_config(128).block_n, sms)[0] > 1
+    run = get("triton").plan_decode(spec, table, seq_lens)
+    first = run(q, k_cache, v_cache)
+    for b, n in enumerate(lens):
+        keys = lambda cache: cache[table[b].long()].reshape(-1, 8, 128)[:n]  # noqa: E731
+        ref = reference(q[b:b + 1], keys(k_cache), keys(v_cache), spec.scale, causal=False)[0]
+        err = (first[b].float() - ref).abs().max().item()
+        assert err <= 1.6e-2, f"row {b} ({n} tokens): max abs error {err:.3g}"
+    for i in range(200):
+        assert torch.equal(run(q, k_cache, v_cache), first), f"eager run {i} differs from the first"
+    out = torch.empty_like(first)
+    run(q, k_cache, v_cache)  # warm-up on the capture stream's allocator
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(run(q, k_cache, v_cache))
+    for i in range(50):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first), f"graph replay {i} differs from the first run"
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", False)
+    assert torch.equal(get("triton").plan_decode(spec, table, seq_lens)(q, k_cache, v_cache), first)
+    _record(spec="split-merge", backend="triton", phase="decode", shape=lens, result="ok")

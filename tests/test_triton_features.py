@@ -315,6 +315,47 @@ def test_decode_takes_q_in_flash_layout(splits, monkeypatch):
     assert torch.equal(out4[:, 0], run(q, k_cache, v_cache, **case.kwargs))
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "reduce-kernel"])
+def test_decode_split_plan_merges_on_every_run(merge, monkeypatch):
+    """A split plan run three times with new queries and a new length (as a CUDA graph replays one plan): every
+    run's output against the float32 reference, with the output buffer NaN before each run (an unmerged head stays
+    NaN), sinks on. In-kernel merge: the last program of each (row, KV head) merges and sets its arrival count
+    back to 0; fails when the count is not reset (the next run has no last program). The interpreter runs the
+    programs one after another, so a merge by a program that is not the last (before the others wrote) is caught
+    only on the GPU (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency)."""
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", merge)
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    real_zeros, real_empty_like, counts = torch.zeros, torch.empty_like, []
+
+    def recording_zeros(*args, **kwargs):
+        t = real_zeros(*args, **kwargs)
+        if kwargs.get("dtype") == torch.int32:
+            counts.append(t)
+        return t
+
+    spec = _spec(page_size=16, sinks=True)
+    case = decode_case(spec, CPU, DECODE_LENS)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "zeros", recording_zeros)
+        run = get("triton").plan_decode(spec, *case.plan_args)
+    assert len(counts) == (1 if merge else 0)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
+    q, k_cache, v_cache = case.inputs
+    page_table, seq_lens = case.plan_args
+    for step in range(3):
+        if step == 2:
+            seq_lens.clamp_(max=20)  # shorter rows: fewer splits used, the rest empty
+        q = torch.randn_like(q)
+        out = run(q, k_cache, v_cache, **case.kwargs)
+        for b, n in enumerate(seq_lens.tolist()):
+            keys = lambda cache: cache[page_table[b].long()].reshape(-1, 2, 64)[:n].float()  # noqa: E731
+            ref = reference(q[b:b + 1], keys(k_cache), keys(v_cache), spec.scale, causal=False,
+                            sinks=case.kwargs["sinks"])[0]
+            _assert_close(out[b:b + 1], ref[None])
+        if merge:
+            assert counts[0].abs().sum().item() == 0, "arrival counts not back at 0 after the run"
+
+
 @pytest.mark.parametrize("window", [None, 40], ids=["full", "w40"])
 def test_decode_plan_during_graph_capture_reads_nothing_on_the_host(window, monkeypatch):
     """A decode plan made during CUDA-graph capture (attnsel.flash_attn_with_kvcache plans there) may not read

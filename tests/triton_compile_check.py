@@ -34,10 +34,10 @@ def prefill(dtype, **flags):
 
 def decode(dtype, kvdtype, aligned=False, num_warps=8, num_stages=3, **flags):
     sig = {"Q": f"*{dtype}", "K": f"*{kvdtype}", "V": f"*{kvdtype}", "PT": "*i32", "LENS": "*i32", "O": f"*{dtype}",
-           "O_part": "*fp32", "LSE_part": "*fp32", "SINKS": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
-           "scale_in": "fp32"}
+           "O_part": "*fp32", "LSE_part": "*fp32", "ARRIVED": "*i32", "SINKS": "*fp32", "K_SCALE": "*fp32",
+           "V_SCALE": "*fp32", "scale_in": "fp32"}
     consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_N=64, SPLIT=True, BLOCK_B=64,
-                  WINDOW=0, SOFTCAP=0.0, HAS_SINKS=False, FP8=False, UPCAST=False)
+                  BLOCK_S=64, MERGE=True, WINDOW=0, SOFTCAP=0.0, HAS_SINKS=False, FP8=False, UPCAST=False)
     consts.update(flags)
     return compile_(K.decode_kernel, sig, consts, aligned, num_warps, num_stages)
 
@@ -54,6 +54,17 @@ def fp8_operands_in_words():
         if op in ptx:
             raise AssertionError(f"{ptx.count(op)} {op} in the fp8 decode kernel: bytes moved one at a time")
 
+def merge_is_ordered():
+    """The in-kernel merge of a split decode: the arrival count is an acquire-release atomic at GPU scope, behind a
+    barrier (all of the program's stores first), and the merge reads the other programs' partials past L1 (L1 is
+    not coherent across SMs: a line cached earlier in the launch would be stale)."""
+    ptx = decode("bf16", "bf16", aligned=True, num_warps=4, num_stages=4).asm["ptx"]
+    for op in ("atom.global.gpu.acq_rel.add", "ld.global.cg", "bar.sync"):
+        if op not in ptx:
+            found = sorted({line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("atom", "ld.global"))})
+            raise AssertionError(f"{op} not in the split decode kernel with MERGE (atomics and global loads: {found})")
+
+
 def reduce_(**flags):
     sig = {"O": "*bf16", "O_part": "*fp32", "LSE_part": "*fp32", "SINKS": "*fp32"}
     consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=8, HAS_SINKS=False)
@@ -66,6 +77,9 @@ for name, thunk in [
     ("prefill all", lambda: prefill("bf16", WINDOW=4096, SOFTCAP=30.0 * 1.4426950408889634, HAS_SINKS=True)),
     ("prefill noncausal long", lambda: prefill("fp16", CAUSAL=False, LONG=True)),
     ("decode split", lambda: decode("bf16", "bf16")),
+    ("decode split reduce kernel", lambda: decode("bf16", "bf16", MERGE=False)),
+    ("decode merge ordered", merge_is_ordered),
+    ("decode split merge sinks group 8", lambda: decode("bf16", "bf16", GROUP=8, HAS_SINKS=True, BLOCK_S=2)),
     ("decode nosplit all fp8", lambda: decode("bf16", "fp8e4nv", SPLIT=False, WINDOW=4096, SOFTCAP=43.3,
                                               HAS_SINKS=True, FP8=True)),
     ("decode split all fp8", lambda: decode("fp16", "fp8e4nv", WINDOW=128, SOFTCAP=43.3, HAS_SINKS=True, FP8=True)),

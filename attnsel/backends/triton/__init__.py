@@ -66,6 +66,7 @@ def decode_config(head_dim: int) -> TileConfig:
 
 
 SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
+MERGE_IN_DECODE_KERNEL = True  # a split plan merges in its last program per (row, KV head), not in a second kernel
 
 
 def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
@@ -196,15 +197,19 @@ class TritonBackend:
         block_d = triton_next_pow2(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
+        block_s = triton_next_pow2(splits)
         device = seq_lens.device
         page_table = page_table.to(torch.int32)
         page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()  # rows at stride(0)
         lens = seq_lens.to(torch.int32).contiguous()  # the kernels read LENS + b
+        merge = splits > 1 and MERGE_IN_DECODE_KERNEL
         if splits > 1:
             o_part = torch.empty(batch, spec.num_q_heads, splits, block_d, dtype=torch.float32, device=device)
             lse_part = torch.empty(batch, spec.num_q_heads, splits, dtype=torch.float32, device=device)
         else:
             o_part = lse_part = lens  # unused placeholders
+        # the merge's arrival counts: zero now, and the last program of each group sets its count back to zero
+        arrived = torch.zeros(batch, spec.num_kv_heads, dtype=torch.int32, device=device) if merge else lens
         if max(o_part.numel(), page_table.numel()) >= 2**31:
             raise ValueError(f"triton decode: batch {batch} x {spec.num_q_heads} heads x {splits} splits or the page "
                              "table passes 2^31 elements (32-bit offsets); use a smaller batch")
@@ -224,20 +229,20 @@ class TritonBackend:
             out = torch.empty_like(q)
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
             decode_kernel[(batch, spec.num_kv_heads, splits)](
-                q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, sinks,
+                q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, arrived, sinks,
                 k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, target, min_chunk, batch, heads,
                 q.stride(0), q.stride(-2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
                 out.stride(0), out.stride(-2), *part_strides,
                 GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
                 PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
-                BLOCK_B=block_b, WINDOW=window, SOFTCAP=softcap,
+                BLOCK_B=block_b, BLOCK_S=block_s, MERGE=merge, WINDOW=window, SOFTCAP=softcap,
                 HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            if splits > 1:
+            if splits > 1 and not merge:
                 decode_reduce_kernel[(batch, heads)](
                     out, o_part, lse_part, sinks, splits, heads, out.stride(0), out.stride(-2), *part_strides,
-                    HEAD_DIM=spec.head_dim, BLOCK_D=block_d, BLOCK_S=triton_next_pow2(splits),
+                    HEAD_DIM=spec.head_dim, BLOCK_D=block_d, BLOCK_S=block_s,
                     HAS_SINKS=sinks is not None, num_warps=4)
             return out
 

@@ -153,13 +153,13 @@ def prefill_kernel(Q, K, V, O, cu_q, cu_k, SINKS, scale_in,
 
 
 @triton.jit
-def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCALE, scale_in, num_splits, target,
-                  min_chunk, batch, num_heads,
+def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCALE, V_SCALE, scale_in, num_splits,
+                  target, min_chunk, batch, num_heads,
                   stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   stride_ptb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
-                  WINDOW: tl.constexpr,
+                  BLOCK_S: tl.constexpr, MERGE: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (batch, num_kv_heads, num_splits): the query heads of one KV head read each K/V tile once.
 
@@ -167,8 +167,13 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
     other lengths re-plans itself) are cut into chunks of max(min_chunk, total x kv_heads / target) tokens, so
     that the programs that read come to about ``target``; row b uses n = round(span / chunk) splits, at least 1
     and at most num_splits (span: the tokens it reads), each cdiv(span, n) tokens rounded up to BLOCK_N. A program
-    of a split its row does not use writes only lse = -inf (the reduce reads no partial output there). So in a
+    of a split its row does not use writes only lse = -inf (the merge reads no partial output there). So in a
     ragged batch a long row gets more splits than a short one.
+
+    MERGE (with SPLIT): no second kernel. Each program of a (row, KV head) counts itself in ARRIVED (int32
+    [batch, kv_heads], zero between runs) after its partial is stored; the one that arrives last merges the group's
+    heads (reading the others' partials past L1, which is not coherent across SMs) and sets the count back to 0
+    for the next run or graph replay. Without MERGE decode_reduce_kernel merges.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,11 +191,14 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
             spans = tl.minimum(spans, WINDOW)
         chunk = tl.maximum(tl.sum(spans, 0) * tl.num_programs(1) // target, min_chunk)
         used = tl.maximum(tl.minimum((span + chunk // 2) // chunk, num_splits), 1).to(tl.int32)
-        if split >= used:  # nothing to read: an empty partial (the reduce skips it)
-            heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
-            tl.store(LSE_part + (b * num_heads + heads) * num_splits + split,
-                     tl.full([BLOCK_G], float("-inf"), tl.float32), mask=tl.arange(0, BLOCK_G) < GROUP)
-            return
+        if not MERGE:
+            if split >= used:  # nothing to read: an empty partial (the reduce skips it)
+                heads = kv_head * GROUP + tl.arange(0, BLOCK_G)
+                tl.store(LSE_part + (b * num_heads + heads) * num_splits + split,
+                         tl.full([BLOCK_G], float("-inf"), tl.float32), mask=tl.arange(0, BLOCK_G) < GROUP)
+                return
+        # with MERGE a split the row does not use runs on (it must be counted): its range below is empty
+        # (start >= lo + used * per_split >= seq_len), so it stores lse = -inf and no partial output
     per_split = tl.cdiv(tl.cdiv(span, used), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
@@ -248,9 +256,18 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, SINKS, K_SCALE, V_SCAL
     if SPLIT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(O_part + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-                 acc / l_safe[:, None], mask=out_mask)
+                 acc / l_safe[:, None], mask=out_mask & (offs_g * 0 + split < used)[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(LSE_part + (b * num_heads + heads) * num_splits + split, lse, mask=g_mask)
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores of this program come before its release below
+            count = ARRIVED + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:  # the last one of the group
+                for g in tl.static_range(GROUP):
+                    _merge_head(O, O_part, LSE_part, SINKS, b, kv_head * GROUP + g, num_splits, num_heads,
+                                stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, HEAD_DIM, BLOCK_D, BLOCK_S,
+                                HAS_SINKS)
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_SINKS:
             acc, l_i = _add_sinks(acc, m_i, l_i, SINKS, heads, g_mask)
@@ -265,13 +282,22 @@ def decode_reduce_kernel(O, O_part, LSE_part, SINKS, num_splits, num_heads, stri
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                          HAS_SINKS: tl.constexpr):
     """Grid (batch, num_q_heads): merge the splits' partial outputs weighted by their sum-exp (and the sink's)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    _merge_head(O, O_part, LSE_part, SINKS, tl.program_id(0), tl.program_id(1), num_splits, num_heads, stride_ob,
+                stride_oh, stride_pb, stride_ph, stride_ps, HEAD_DIM, BLOCK_D, BLOCK_S, HAS_SINKS)
+
+
+@triton.jit
+def _merge_head(O, O_part, LSE_part, SINKS, b, h, num_splits, num_heads, stride_ob, stride_oh, stride_pb, stride_ph,
+                stride_ps, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                HAS_SINKS: tl.constexpr):
+    """Row b, query head h: merge the splits' partial outputs weighted by their sum-exp (and the sink's). Loads
+    bypass L1 (.cg): inside decode_kernel the partials were written by programs on other SMs."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     base = b * stride_pb + h * stride_ph
-    lse = tl.load(LSE_part + (b * num_heads + h) * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(LSE_part + (b * num_heads + h) * num_splits + offs_s, mask=s_mask, other=float("-inf"),
+                  cache_modifier=".cg")
     m = tl.max(lse, 0)
     if HAS_SINKS:
         sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
@@ -284,6 +310,6 @@ def decode_reduce_kernel(O, O_part, LSE_part, SINKS, num_splits, num_heads, stri
     w = w / tl.where(den == 0.0, 1.0, den)
     used = s_mask & (lse > float("-inf"))  # empty splits wrote no partial output
     part = tl.load(O_part + base + offs_s[:, None] * stride_ps + offs_d[None, :],
-                   mask=used[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+                   mask=used[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
     out = tl.sum(part * w[:, None], 0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
