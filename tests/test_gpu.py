@@ -290,14 +290,15 @@ MERGE_SHAPES = {"1x9000": [9000], "4x3000": [3000] * 4, "8-ragged": [9000, 17, 0
 
 @pytest.mark.parametrize("lens", list(MERGE_SHAPES.values()), ids=list(MERGE_SHAPES))
 def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
-    """Triton's split decode merges the splits inside the decode kernel (the last program of a row and KV head to
-    arrive merges): under real concurrency a merge by a program that is not the last, or before the others' stores
+    """Triton's split decode with MERGE_IN_DECODE_KERNEL (off by default until this passes on the GPU) merges the
+    splits inside the decode kernel (the last program of a row and KV head to arrive merges): under real concurrency a merge by a program that is not the last, or before the others' stores
     are visible, gives a wrong or varying output. Per shape: the float32 reference per row; 200 eager runs and 50
     CUDA-graph replays bitwise equal to the first run (the merge's order is fixed, so any race shows as a
     difference); and bitwise equal to the plan that merges in a second kernel (same arithmetic)."""
     import attnsel.backends.triton as tb
     from tests.feature_cases import reference
 
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
     spec = SPECS["gqa4-d128-bf16"]
     torch.manual_seed(0)
     dev, ps, batch = torch.device("cuda"), spec.page_size, len(lens)

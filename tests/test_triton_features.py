@@ -81,10 +81,17 @@ DECODE_LENS = [0, 1, 17, 45, 0, 130, 32]  # zero-length rows (CUDA-graph padding
 
 
 def _decode(spec, splits, monkeypatch, lens=DECODE_LENS, sentinel="nan_page"):
+    """Triton's output and the reference; with splits, the in-kernel merge (MERGE_IN_DECODE_KERNEL) must give the
+    reduce kernel's output bit for bit (same arithmetic)."""
     monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 2**30, 1))  # chunk 1: every row of >= splits tokens
     # uses all splits, shorter rows fewer (the rest write empty partials)
     case = decode_case(spec, CPU, lens, sentinel)
-    return case.run(get("triton"), spec), case.ref
+    out = case.run(get("triton"), spec)
+    if splits > 1:
+        with monkeypatch.context() as m:
+            m.setattr(tb, "MERGE_IN_DECODE_KERNEL", not tb.MERGE_IN_DECODE_KERNEL)
+            assert torch.equal(case.run(get("triton"), spec), out), "in-kernel merge and reduce kernel differ"
+    return out, case.ref
 
 
 def _assert_close(out, ref, dtype="fp16"):
@@ -247,7 +254,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "tests.triton_compile_check"], capture_output=True, text=True,
                           env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("OK ") == 9
+    assert proc.stdout.count("OK ") == 12
 
 
 def test_version_changes_with_the_kernel_sources(tmp_path, monkeypatch):

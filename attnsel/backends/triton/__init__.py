@@ -66,7 +66,12 @@ def decode_config(head_dim: int) -> TileConfig:
 
 
 SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
-MERGE_IN_DECODE_KERNEL = True  # a split plan merges in its last program per (row, KV head), not in a second kernel
+# A split plan merges in the decode kernel (the last program of each row and KV head to arrive) instead of a second
+# reduce kernel: one launch instead of two (eager host time, one graph node less). Off until validated on the GPU:
+# it passes the interpreter's tests and compiles for sm_90 (tests/triton_compile_check.py), but its ordering across
+# SMs (barrier, acquire-release count, partials read past L1) is only proven by real concurrency
+# (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency; stage ae of scripts/gpu-round6 times it).
+MERGE_IN_DECODE_KERNEL = False
 
 
 def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
