@@ -30,7 +30,7 @@ FIELD_DESTS = {"num_q_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head
                "kv_dtype": "kv_dtype", "softmax_scale": "softmax_scale"}
 ENV_BACKENDS = {"prefill": ("ATTNSEL_PREFILL_BACKEND", "--llm_prefill_att_backend"),
                 "decode": ("ATTNSEL_DECODE_BACKEND", "--llm_decode_att_backend")}
-EXIT_USAGE, EXIT_UNSERVED = 2, 3
+EXIT_OUTPUT, EXIT_USAGE, EXIT_UNSERVED = 1, 2, 3  # 1: stdout could not take the output
 LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
 
 
@@ -550,8 +550,12 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
+    stdout = sys.stdout
+    sys.stdout = _MarkedStdout(stdout)
     try:
-        return args.func(args, Console())
+        result = args.func(args, Console())
+        sys.stdout.flush()  # a full disk shows here for output still buffered
+        return result
     except (SpecError, UsageError, UnknownBackendError, ValueError) as exc:
         err.print(f"attnsel: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
@@ -570,6 +574,47 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, fd)  # Python's flush of stdout at exit would raise again
         return 128 + 13
+    except StdoutError as exc:  # `attnsel cache path > /dev/full`: ENOSPC
+        err.print(f"attnsel: error: cannot write the output to stdout: {exc.strerror or exc}", markup=False,
+                  highlight=False, soft_wrap=True)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit would raise again
+        except (OSError, ValueError):  # not a real stdout (main() called from Python)
+            pass
+        return EXIT_OUTPUT
+    finally:
+        sys.stdout = stdout
+
+
+class StdoutError(OSError):
+    """Writing the command's output to stdout failed (full disk, I/O error); a closed pipe stays BrokenPipeError."""
+
+
+class _MarkedStdout:
+    """sys.stdout while a command runs: an OSError from writing or flushing it becomes StdoutError, so that main()
+    can tell it from the command's own OS errors (those keep their tracebacks)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StdoutError(exc.errno, exc.strerror) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StdoutError(exc.errno, exc.strerror) from exc
 
 
 if __name__ == "__main__":

@@ -724,6 +724,9 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
         runner.default_timeout()  # a bad ATTNSEL_VALIDATION_TIMEOUT is an error now, not when a worker starts
     # likewise ATTNSEL_CHECK_TIMEOUT_S (read by every backend's availability check, which turns errors into reasons)
     seconds_from_env(backends.CHECK_TIMEOUT_ENV, backends.DEFAULT_CHECK_TIMEOUT_S)
+    # and ATTNSEL_FLASHINFER_WORKSPACE_MB, read only where FlashInfer runs (on a machine without it, never)
+    from .backends.flashinfer import workspace_bytes
+    workspace_bytes()
     if budget_s is None:
         budget_s = timing.budget_from_env()
     elif not budget_s > 0:

@@ -327,6 +327,33 @@ def test_a_closed_output_pipe_exits_quietly(tmp_path):
     assert proc.returncode == 141
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("argv", [["cache", "path"], ["report", *SMALL, "--policy", "priority", "--no-cache"]],
+                         ids=["print", "rich-table"])
+def test_output_that_stdout_cannot_take_is_one_line_exit_1(tmp_path, argv):
+    """`attnsel cache path > /dev/full`: writing stdout fails with ENOSPC. Was a traceback; now one line naming
+    stdout and the OS's reason, exit 1 (the command's own OS errors keep their tracebacks)."""
+    env = dict(os.environ, ATTNSEL_CACHE_DIR=str(tmp_path))
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "attnsel.cli", *argv], env=env, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "attnsel: error: cannot write the output to stdout: No space left on device" in proc.stderr
+    assert proc.returncode == 1
+
+
+def test_a_bad_flashinfer_workspace_variable_is_refused_without_flashinfer(capsys, monkeypatch):
+    """ATTNSEL_FLASHINFER_WORKSPACE_MB is read only where FlashInfer runs: on a machine without it (or with an
+    explicit backend) a bad value went unnoticed until FlashInfer ran. Now refused by every selection, exit 2."""
+    monkeypatch.setenv("ATTNSEL_FLASHINFER_WORKSPACE_MB", "lots")
+    code, _, err = run(capsys, "report", *SMALL, "--prefill-backend", "torch", "--decode-backend", "torch")
+    assert code == 2
+    assert "ATTNSEL_FLASHINFER_WORKSPACE_MB must be a whole number of MiB, got 'lots'" in " ".join(err.split())
+    monkeypatch.setenv("ATTNSEL_FLASHINFER_WORKSPACE_MB", "4")
+    code, _, err = run(capsys, "report", *SMALL, "--policy", "priority")
+    assert code == 2 and "must be at least 8 (MiB), got 4" in " ".join(err.split())
+
+
 def test_a_bad_validation_timeout_variable_is_refused_even_on_a_cache_hit(capsys, monkeypatch):
     from attnsel.validate import runner
 

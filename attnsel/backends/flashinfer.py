@@ -46,6 +46,8 @@ SINKS_WHY = ("FlashInfer 0.6.4 takes sinks only in its trtllm-gen (Blackwell) pa
 
 
 def workspace_bytes() -> int:
+    """FlashInfer's float workspace in bytes from $ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128 MiB); ValueError
+    naming the variable for a value that is not a whole number of at least 8."""
     raw = os.environ.get(WORKSPACE_ENV, "128")
     try:
         mb = int(raw)
