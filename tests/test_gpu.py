@@ -291,14 +291,15 @@ MERGE_SHAPES = {"1x9000": [9000], "4x3000": [3000] * 4, "8-ragged": [9000, 17, 0
 @pytest.mark.parametrize("lens", list(MERGE_SHAPES.values()), ids=list(MERGE_SHAPES))
 def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
     """Triton's split decode with MERGE_IN_DECODE_KERNEL (off by default until this passes on the GPU) merges the
-    splits inside the decode kernel (the last program of a row and KV head to arrive merges): under real concurrency a merge by a program that is not the last, or before the others' stores
-    are visible, gives a wrong or varying output. Per shape: the float32 reference per row; 200 eager runs and 50
-    CUDA-graph replays bitwise equal to the first run (the merge's order is fixed, so any race shows as a
-    difference); and bitwise equal to the plan that merges in a second kernel (same arithmetic)."""
+    splits inside the decode kernel (the last program of a row and KV head to arrive merges): under real
+    concurrency a merge by a program that is not the last, or before the others' stores are visible, reads partials
+    of the previous run. So every run gets a query other than the run before it (8 queries in turn): 200 eager runs
+    and 50 CUDA-graph replays (a new query copied into the captured one, the graph's output NaN before each replay),
+    each bitwise equal to the plan that merges in a second kernel on the same query (same arithmetic), which is
+    checked against the float32 reference per row."""
     import attnsel.backends.triton as tb
     from tests.feature_cases import reference
 
-    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
     spec = SPECS["gqa4-d128-bf16"]
     torch.manual_seed(0)
     dev, ps, batch = torch.device("cuda"), spec.page_size, len(lens)
@@ -307,28 +308,44 @@ def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
     v_cache = torch.randn_like(k_cache)
     table = torch.randperm(batch * pages, device=dev, dtype=torch.int32).view(batch, pages)
     seq_lens = torch.tensor(lens, device=dev, dtype=torch.int32)
-    q = torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16)
+    qs = [torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16) for _ in range(8)]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     assert tb.decode_splits(batch, 8, max(lens), sum(lens), tb.decode_config(128).block_n, sms)[0] > 1
-    run = get("triton").plan_decode(spec, table, seq_lens)
-    first = run(q, k_cache, v_cache)
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", False)
+    reduce_run = get("triton").plan_decode(spec, table, seq_lens)
+    expected = [reduce_run(q, k_cache, v_cache) for q in qs]
     for b, n in enumerate(lens):
         keys = lambda cache: cache[table[b].long()].reshape(-1, 8, 128)[:n]  # noqa: E731
-        ref = reference(q[b:b + 1], keys(k_cache), keys(v_cache), spec.scale, causal=False)[0]
-        err = (first[b].float() - ref).abs().max().item()
+        ref = reference(qs[0][b:b + 1], keys(k_cache), keys(v_cache), spec.scale, causal=False)[0]
+        err = (expected[0][b].float() - ref).abs().max().item()
         assert err <= 1.6e-2, f"row {b} ({n} tokens): max abs error {err:.3g}"
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
+    real_zeros, counts = torch.zeros, []
+
+    def recording_zeros(*args, **kwargs):
+        t = real_zeros(*args, **kwargs)
+        if kwargs.get("dtype") == torch.int32:
+            counts.append(t)
+        return t
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "zeros", recording_zeros)
+        run = get("triton").plan_decode(spec, table, seq_lens)
+    assert len(counts) == 1, "the plan does not merge in the decode kernel"
     for i in range(200):
-        assert torch.equal(run(q, k_cache, v_cache), first), f"eager run {i} differs from the first"
-    out = torch.empty_like(first)
-    run(q, k_cache, v_cache)  # warm-up on the capture stream's allocator
+        out = run(qs[i % 8], k_cache, v_cache)
+        assert torch.equal(out, expected[i % 8]), f"eager run {i} differs from the reduce kernel's output"
+    assert counts[0].abs().sum().item() == 0, "arrival counts not back at 0 after the eager runs"
+    static_q = qs[0].clone()
+    run(static_q, k_cache, v_cache)  # warm-up before capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out.copy_(run(q, k_cache, v_cache))
+        graph_out = run(static_q, k_cache, v_cache)
     for i in range(50):
-        out.fill_(float("nan"))
+        static_q.copy_(qs[(i + 1) % 8])
+        graph_out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, first), f"graph replay {i} differs from the first run"
-    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", False)
-    assert torch.equal(get("triton").plan_decode(spec, table, seq_lens)(q, k_cache, v_cache), first)
+        assert torch.equal(graph_out, expected[(i + 1) % 8]), f"graph replay {i} differs from the reduce kernel's"
     _record(spec="split-merge", backend="triton", phase="decode", shape=lens, result="ok")

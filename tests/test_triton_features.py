@@ -254,7 +254,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "tests.triton_compile_check"], capture_output=True, text=True,
                           env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("OK ") == 12
+    assert proc.stdout.count("OK ") == 13
 
 
 def test_version_changes_with_the_kernel_sources(tmp_path, monkeypatch):
@@ -361,6 +361,22 @@ def test_decode_split_plan_merges_on_every_run(merge, monkeypatch):
             _assert_close(out[b:b + 1], ref[None])
         if merge:
             assert counts[0].abs().sum().item() == 0, "arrival counts not back at 0 after the run"
+
+
+def test_decode_merge_tile_past_the_limit_takes_the_reduce_kernel(monkeypatch):
+    """head_dim 256 with 64 splits: the in-kernel merge's [64, 256] float32 tile makes the decode kernel spill
+    (tests/triton_compile_check.py), so such a plan merges in the reduce kernel (no arrival counts); 32 splits
+    merge in the kernel."""
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
+    real_zeros, counts = torch.zeros, []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: counts.append(kw.get("dtype")) or real_zeros(*a, **kw))
+    spec = AttentionSpec(8, 2, 256, dtype="fp16", page_size=16)
+    case = decode_case(spec, CPU, [40, 3])
+    for splits, merges in ((64, False), (33, False), (32, True)):
+        counts.clear()
+        monkeypatch.setattr(tb, "decode_splits", lambda *a, n=splits: (n, 2**30, 1))
+        get("triton").plan_decode(spec, *case.plan_args)
+        assert (torch.int32 in counts) is merges, splits
 
 
 @pytest.mark.parametrize("window", [None, 40], ids=["full", "w40"])

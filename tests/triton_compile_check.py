@@ -55,14 +55,54 @@ def fp8_operands_in_words():
             raise AssertionError(f"{ptx.count(op)} {op} in the fp8 decode kernel: bytes moved one at a time")
 
 def merge_is_ordered():
-    """The in-kernel merge of a split decode: the arrival count is an acquire-release atomic at GPU scope, behind a
-    barrier (all of the program's stores first), and the merge reads the other programs' partials past L1 (L1 is
-    not coherent across SMs: a line cached earlier in the launch would be stale)."""
-    ptx = decode("bf16", "bf16", aligned=True, num_warps=4, num_stages=4).asm["ptx"]
-    for op in ("atom.global.gpu.acq_rel.add", "ld.global.cg", "bar.sync"):
-        if op not in ptx:
-            found = sorted({line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("atom", "ld.global"))})
-            raise AssertionError(f"{op} not in the split decode kernel with MERGE (atomics and global loads: {found})")
+    """The in-kernel merge of a split decode, in the sm_90 PTX: the arrival count is an acquire-release atomic at GPU
+    scope; between the program's last store (its partial) and that atomic a barrier (every thread's stores come
+    first; Triton places one before a scalar atomic itself, the kernel's tl.debug_barrier() does not rely on it);
+    every global load between it and the count's reset reads past L1 (.cg: L1 is not coherent across SMs,
+    a line cached earlier in the launch would be stale)."""
+    lines = [line.strip() for line in decode("bf16", "bf16", aligned=True, num_warps=4, num_stages=4).asm["ptx"]
+             .splitlines()]
+    arrive = [i for i, line in enumerate(lines) if "atom.global.gpu.acq_rel.add" in line]
+    reset = [i for i, line in enumerate(lines) if ".global.gpu.relaxed.add" in line]  # atom. or red.
+    if len(arrive) != 1 or len(reset) != 1 or reset[0] < arrive[0]:
+        raise AssertionError(f"expected one acq_rel arrival and one relaxed reset after it, got lines {arrive} "
+                             f"and {reset}")
+    last_store = max(i for i in range(arrive[0]) if "st.global" in lines[i])
+    if not any("bar.sync" in line for line in lines[last_store:arrive[0]]):
+        raise AssertionError("no barrier between the partial's last store and the arrival count")
+    loads = [line for line in lines[arrive[0]:reset[0]] if "ld.global" in line]
+    cached = [line for line in loads if ".cg" not in line]
+    if not loads or cached:
+        raise AssertionError(f"the merge's loads must bypass L1 (.cg); {len(cached)} of {len(loads)} do not: "
+                             f"{cached[:3]}")
+
+
+def merge_does_not_spill():
+    """The largest merge tiles a plan makes (MERGE_TILE_MAX: head_dim 128 with 64 splits, 256 with 32) compile
+    without a stack (head_dim 256 with 64 splits spilled: 255 registers and 112-152 bytes of stack). Needs the
+    cuobjdump that Triton bundles; skipped (OK) without it."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from attnsel.backends.triton import MERGE_TILE_MAX, decode_config
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return
+    for d in (128, 256):
+        cfg, splits = decode_config(d), MERGE_TILE_MAX // d
+        for group in (4, 8, 16):
+            kernel = decode("bf16", "bf16", aligned=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            HEAD_DIM=d, BLOCK_D=d, BLOCK_N=cfg.block_n, GROUP=group, BLOCK_S=splits)
+            with tempfile.TemporaryDirectory() as tmp:
+                cubin = Path(tmp) / "k.cubin"
+                cubin.write_bytes(kernel.asm["cubin"])
+                usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True,
+                                       text=True, check=True).stdout
+            found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+            if found is None or found.group(2) != "0":
+                raise AssertionError(f"head_dim {d}, group {group}, {splits} splits: {usage.strip()[-200:]}")
 
 
 def reduce_(**flags):
@@ -79,6 +119,7 @@ for name, thunk in [
     ("decode split", lambda: decode("bf16", "bf16")),
     ("decode split reduce kernel", lambda: decode("bf16", "bf16", MERGE=False)),
     ("decode merge ordered", merge_is_ordered),
+    ("decode merge does not spill", merge_does_not_spill),
     ("decode split merge sinks group 8", lambda: decode("bf16", "bf16", GROUP=8, HAS_SINKS=True, BLOCK_S=2)),
     ("decode nosplit all fp8", lambda: decode("bf16", "fp8e4nv", SPLIT=False, WINDOW=4096, SOFTCAP=43.3,
                                               HAS_SINKS=True, FP8=True)),

@@ -72,6 +72,7 @@ SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs pe
 # SMs (barrier, acquire-release count, partials read past L1) is only proven by real concurrency
 # (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency; stage ae of scripts/gpu-round6 times it).
 MERGE_IN_DECODE_KERNEL = False
+MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded up) the in-kernel merge takes
 
 
 def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
@@ -207,7 +208,9 @@ class TritonBackend:
         page_table = page_table.to(torch.int32)
         page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()  # rows at stride(0)
         lens = seq_lens.to(torch.int32).contiguous()  # the kernels read LENS + b
-        merge = splits > 1 and MERGE_IN_DECODE_KERNEL
+        # the merge holds a [BLOCK_S, BLOCK_D] float32 tile: past 8192 elements (head_dim 256 with 64 splits) the
+        # whole decode kernel spills registers (sm_90: 255 registers and a stack, against 146 without): reduce kernel
+        merge = splits > 1 and MERGE_IN_DECODE_KERNEL and block_s * block_d <= MERGE_TILE_MAX
         if splits > 1:
             o_part = torch.empty(batch, spec.num_q_heads, splits, block_d, dtype=torch.float32, device=device)
             lse_part = torch.empty(batch, spec.num_q_heads, splits, dtype=torch.float32, device=device)

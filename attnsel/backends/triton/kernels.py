@@ -172,8 +172,9 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCAL
 
     MERGE (with SPLIT): no second kernel. Each program of a (row, KV head) counts itself in ARRIVED (int32
     [batch, kv_heads], zero between runs) after its partial is stored; the one that arrives last merges the group's
-    heads (reading the others' partials past L1, which is not coherent across SMs) and sets the count back to 0
-    for the next run or graph replay. Without MERGE decode_reduce_kernel merges.
+    heads (reading the others' partials past L1, which is not coherent across SMs) and takes num_splits off the
+    count (0 again for the next run or graph replay). Without MERGE decode_reduce_kernel merges. Like the split
+    buffers, the count belongs to the plan: one plan runs on one stream at a time.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -267,7 +268,9 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCAL
                     _merge_head(O, O_part, LSE_part, SINKS, b, kv_head * GROUP + g, num_splits, num_heads,
                                 stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, HEAD_DIM, BLOCK_D, BLOCK_S,
                                 HAS_SINKS)
-                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+                # back to 0 by subtraction, not by a store of 0: a count left off by runs of one plan that
+                # overlapped (two streams) is repaired once they finish, not carried into every later run
+                tl.atomic_add(count, -num_splits, sem="relaxed", scope="gpu")
     else:
         if HAS_SINKS:
             acc, l_i = _add_sinks(acc, m_i, l_i, SINKS, heads, g_mask)
