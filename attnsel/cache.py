@@ -55,14 +55,25 @@ class ResultCache:
             raise ValueError(f"{where} {str(self.dir)!r} cannot be used as a directory ({exc.strerror or exc}); give "
                              "a directory attnsel may write to, or turn the cache off (--no-cache, use_cache=False)"
                              ) from None
+        self._check_file()
+
+    def _check_file(self) -> None:
+        """ValueError naming the results file when something other than a file is in its place (a directory): it
+        could be neither read nor replaced."""
+        if self.path.exists() and not self.path.is_file():
+            raise ValueError(f"the cache's results file {str(self.path)!r} is not a file; remove it, or give another "
+                             "cache directory (--cache-dir, $ATTNSEL_CACHE_DIR) or --no-cache")
 
     def _read(self) -> dict:
         try:
-            text = self.path.read_text()
+            text = self.path.read_bytes().decode("utf-8")
         except FileNotFoundError:
             return {}
         except OSError as exc:
             log.warning("cache %s unreadable (%s); ignoring it", self.path, exc)
+            return {}
+        except UnicodeDecodeError as exc:  # bytes that are no text: as corrupt as broken JSON
+            log.warning("cache %s is corrupt (not UTF-8: %s); ignoring it, it will be rewritten", self.path, exc)
             return {}
         try:
             data = json.loads(text)
@@ -74,7 +85,17 @@ class ResultCache:
             log.warning("cache %s has schema %r, expected %d; ignoring it, it will be rewritten", self.path, found,
                         SCHEMA)
             return {}
-        return data["entries"]
+        entries, bad = {}, []
+        for key, entry in data["entries"].items():
+            problem = entry_problem(entry)
+            if problem:
+                bad.append(f"{key[:12]}: {problem}")
+            else:
+                entries[key] = entry
+        if bad:  # each is validated or timed again and its new entry replaces it
+            log.warning("cache %s: %d malformed entr%s ignored (%s); they will be rewritten", self.path, len(bad),
+                        "y" if len(bad) == 1 else "ies", "; ".join(bad[:3]))
+        return entries
 
     def get_many(self, keys: list[str]) -> dict[str, dict]:
         entries = self._read()
@@ -83,6 +104,7 @@ class ResultCache:
     def put_many(self, new: dict[str, dict]) -> None:
         """Merge entries into the file (re-read under the lock so that concurrent writers lose nothing)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._check_file()
         with self.lock:
             entries = self._read()
             for key, entry in new.items():
@@ -113,7 +135,34 @@ class ResultCache:
             if self.dir.exists() or any(parent.exists() and not parent.is_dir() for parent in self.dir.parents):
                 self.prepare()  # raises, naming the path
             return 0
+        self._check_file()
         with self.lock:
             count = len(self._read())
             self.path.unlink(missing_ok=True)
         return count
+
+
+def entry_problem(entry) -> str | None:
+    """What is wrong with one cache entry (a hand edit, another program's file), or None: a validation result needs a
+    status ("valid" or "rejected") and a text reason; a dispatch entry needs its measured buckets in the form
+    timing.measure gives them."""
+    if not isinstance(entry, dict):
+        return f"a {type(entry).__name__}, not an object"
+    if entry.get("kind") == "dispatch":
+        measured = entry.get("measured")
+        if not isinstance(measured, dict) or not all(k in measured for k in ("phase", "mode", "axes", "buckets",
+                                                                             "grid_version")):
+            return "a dispatch entry without phase, mode, axes, buckets and grid_version"
+        if not isinstance(measured["buckets"], list) or not isinstance(measured["axes"], list):
+            return "a dispatch entry whose buckets or axes are not lists"
+        for b in measured["buckets"]:
+            if not (isinstance(b, dict) and isinstance(b.get("us"), dict) and isinstance(b.get("key"), list)
+                    and isinstance(b.get("label"), str)
+                    and all(isinstance(t, (int, float)) or t is None for t in b["us"].values())):
+                return "a dispatch bucket without us (times), key and label"
+        return None
+    if entry.get("status") not in ("valid", "rejected"):
+        return f"status {entry.get('status')!r}, expected 'valid' or 'rejected'"
+    if not isinstance(entry.get("reason", ""), str):
+        return "a reason that is not text"
+    return None

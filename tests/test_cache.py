@@ -78,6 +78,53 @@ def test_corrupt_file_is_logged_ignored_and_rewritten(content, caplog):
     assert data["schema"] == SCHEMA and len(data["entries"]) == 4  # torch + triton, two phases
 
 
+def test_a_file_of_bytes_that_are_no_text_is_ignored_and_rewritten(caplog):
+    """A results file with bytes that are not UTF-8: was a UnicodeDecodeError from every select() and from
+    `attnsel cache clear` (the fault stayed until the file was removed by hand)."""
+    cache = ResultCache()
+    cache.dir.mkdir(parents=True, exist_ok=True)
+    cache.path.write_bytes(b'{"schema": 1, "entries": {"\xff\xfe": 1}}')
+    with caplog.at_level(logging.WARNING):
+        assert select(SPEC, policy="priority").cache == "miss"
+    assert "not UTF-8" in caplog.text
+    assert len(json.loads(cache.path.read_text())["entries"]) == 4
+    cache.path.write_bytes(b"\xff")
+    assert ResultCache().clear() == 0 and not cache.path.exists()
+
+
+@pytest.mark.parametrize("bad", [{}, "valid", None, {"status": "weird"}, {"status": "valid", "reason": 3},
+                                 {"kind": "dispatch", "measured": {"buckets": 1}},
+                                 {"kind": "dispatch", "measured": {"phase": "decode", "mode": "eager", "axes": [],
+                                                                   "grid_version": 3, "buckets": [{"us": "x"}]}}],
+                         ids=["no-status", "string", "null", "unknown-status", "reason-not-text", "dispatch-no-fields",
+                              "dispatch-bad-bucket"])
+def test_a_malformed_entry_is_ignored_and_replaced(bad, caplog):
+    """A schema-valid file with one malformed entry (a hand edit): was a KeyError/TypeError traceback from every
+    select(), and the entry was never rewritten (its key counted as cached). Now: logged, validated again, replaced."""
+    cache = ResultCache()
+    select(SPEC, policy="priority")
+    data = json.loads(cache.path.read_text())
+    key = next(iter(data["entries"]))
+    data["entries"][key] = bad
+    cache.path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING):
+        sel = select(SPEC, policy="priority")
+    assert sel.cache == "miss" and "malformed entry ignored" in caplog.text
+    assert ResultCache().entries()[key]["status"] in ("valid", "rejected")
+    assert select(SPEC, policy="priority").cache == "hit"
+
+
+def test_a_directory_in_place_of_the_results_file_is_a_clear_error(tmp_path):
+    """results.json a directory: select() failed with IsADirectoryError after validating, and cache clear with a
+    traceback. Now ValueError naming it, before anything runs."""
+    cache = ResultCache(tmp_path)
+    cache.path.mkdir()
+    with pytest.raises(ValueError, match="results file .*results.json' is not a file"):
+        select(SPEC, policy="priority", cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="is not a file"):
+        cache.clear()
+
+
 def _writer(directory: str, worker: int, rounds: int) -> None:
     cache = ResultCache(directory)
     for r in range(rounds):
