@@ -180,6 +180,11 @@ _HF_DEFAULTS: dict[str, dict] = {
 }
 _TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}  # multimodal model_type -> its text_config's
 _SINKS_MODEL_TYPES = {"gpt_oss"}  # learned per-head sink logits (a parameter, no config field)
+# Softmax scale 1 (q and k are RMS-normed; transformers 5.17 sets `self.scaling = 1.0`, no config field).
+_UNIT_SCALE_MODEL_TYPES = {"gemma3n", "gemma3n_text", "gemma4", "gemma4_text"}
+# Per-layer attention fields (Gemma 4's full-attention layers: `global_head_dim`, `num_global_key_value_heads`
+# saved as per_layer_config {"layer index": {...}}), as the spec's fields.
+_PER_LAYER_FIELDS = {"head_dim": "head_dim", "num_key_value_heads": "num_kv_heads", "num_attention_heads": "num_q_heads"}
 # Fields whose presence means an attention AttentionSpec cannot express (with what they mean).
 _REFUSED = {"kv_lora_rank": "multi-head latent attention", "q_lora_rank": "multi-head latent attention",
             "qk_rope_head_dim": "multi-head latent attention", "qk_nope_head_dim": "multi-head latent attention",
@@ -338,6 +343,8 @@ def _read_fields(config: dict) -> tuple[dict, dict[str, SpecError]]:
 def _read_scale(config: dict) -> float | None:
     """The softmax scale when the config sets one: Gemma's query_pre_attn_scalar (scale = its -1/2 power),
     Granite's attention_multiplier (the scale itself), GPT-2's scale_attn_weights false (scale 1)."""
+    if config.get("model_type") in _UNIT_SCALE_MODEL_TYPES:
+        return 1.0
     scalar = _get(config, "query_pre_attn_scalar")[1]
     if scalar is not None:
         return _positive_number("query_pre_attn_scalar", scalar, "softmax_scale") ** -0.5
@@ -451,12 +458,53 @@ def layer_specs(config: dict | str | Path, **overrides) -> list[tuple[LayerKind,
     if kinds is None:
         kind: LayerKind = "sliding_attention" if window is not None else "full_attention"
         kinds = [kind] * (_positive_int(n_key, n) if n is not None else 1)
+    per_layer = _per_layer_fields(config, kinds)
     groups: dict[str, tuple[AttentionSpec, list[int]]] = {}
+    firsts: dict[str, int] = {}
     for i, kind in enumerate(kinds):
         if kind not in groups:
-            fields = {**base, **({"sliding_window": window} if kind == "sliding_attention" else {}), **given}
+            fields = {**base, **({"sliding_window": window} if kind == "sliding_attention" else {}),
+                      **per_layer.get(i, {}), **given}
             fields.setdefault("num_kv_heads", fields.get("num_q_heads"))
-            groups[kind] = (AttentionSpec(**_normalized(fields)), [])
+            groups[kind], firsts[kind] = (AttentionSpec(**_normalized(fields)), []), i
+        elif per_layer.get(i, {}) != per_layer.get(firsts[kind], {}):
+            raise SpecError(f"config: per_layer_config gives layer {i} ({kind}) {per_layer.get(i, {})} but layer "
+                            f"{firsts[kind]} of the same kind {per_layer.get(firsts[kind], {})}: attnsel serves one "
+                            "spec per layer kind (full_attention, sliding_attention)")
         if indices_known:
             groups[kind][1].append(i)
     return [(kind, spec, layers) for kind, (spec, layers) in groups.items()]
+
+
+def _per_layer_fields(config: dict, kinds: list[str]) -> dict[int, dict]:
+    """Spec fields a config sets for single layers (Gemma 4's per_layer_config: {"5": {"head_dim": 512}}), by layer
+    index; SpecError for a key attnsel does not know (it could change the attention). A Gemma 4 config without
+    per_layer_config gets transformers' (5.17): every full-attention layer has global_head_dim (default 512) and,
+    with attention_k_eq_v, num_global_key_value_heads KV heads."""
+    layers = len(kinds)
+    raw = config.get("per_layer_config")
+    if raw is None and config.get("model_type") in ("gemma4", "gemma4_text"):
+        full = {"head_dim": config.get("global_head_dim", 512)}
+        if config.get("attention_k_eq_v") and config.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = config["num_global_key_value_heads"]
+        raw = {str(i): full for i, kind in enumerate(kinds) if kind == "full_attention"}
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"config: per_layer_config must be an object of layer index -> fields, got {raw!r}")
+    found: dict[int, dict] = {}
+    for index, fields in raw.items():
+        try:
+            i = int(index)
+        except (TypeError, ValueError):
+            i = -1
+        if not 0 <= i < layers or not isinstance(fields, dict):
+            raise SpecError(f"config: per_layer_config[{index!r}] must map a layer index below {layers} to an "
+                            f"object, got {fields!r}")
+        unknown = sorted(set(fields) - set(_PER_LAYER_FIELDS))
+        if unknown:
+            raise SpecError(f"config: per_layer_config[{index!r}] sets {', '.join(unknown)}, which attnsel does not "
+                            f"read (known: {', '.join(_PER_LAYER_FIELDS)})")
+        found[i] = {_PER_LAYER_FIELDS[k]: _positive_int(f"per_layer_config[{index!r}].{k}", v, _PER_LAYER_FIELDS[k])
+                    for k, v in fields.items()}
+    return found

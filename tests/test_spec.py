@@ -247,3 +247,46 @@ def test_config_directory(tmp_path):
 ])
 def test_multi_query_configs(config, kv_heads):
     assert AttentionSpec.from_hf_config(config).num_kv_heads == kv_heads
+
+
+TINY = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=128)
+BUILT = {
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(global_head_dim=32, sliding_window=8,
+                                                             hidden_size_per_layer_input=8,
+                                                             vocab_size_per_layer_input=128)),
+    "gemma4-k-eq-v": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(global_head_dim=32, sliding_window=8,
+                                                                    attention_k_eq_v=True,
+                                                                    num_global_key_value_heads=1,
+                                                                    hidden_size_per_layer_input=8,
+                                                                    vocab_size_per_layer_input=128)),
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM",
+                dict(layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=8,
+                     num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+                     laurel_rank=4, activation_sparsity_pattern=[0.0] * 6)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=8, query_pre_attn_scalar=32)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=8, attn_logit_softcapping=30.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILT))
+def test_layer_specs_agree_with_the_model_transformers_builds(name, tmp_path):
+    """The reader against the attention modules transformers builds from the same config.json, layer by layer:
+    head_dim, KV heads, softmax scale, window (Gemma 4's full-attention layers have their own head_dim and KV heads
+    in per_layer_config, and Gemma 3n/4 attend with scale 1: was read as one head_dim and 1/sqrt(head_dim))."""
+    transformers = pytest.importorskip("transformers")
+    config_cls, model_cls, extra = BUILT[name]
+    if not hasattr(transformers, config_cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_cls}")
+    config = getattr(transformers, config_cls)(**{**TINY, **extra})
+    config.save_pretrained(tmp_path)
+    model = getattr(transformers, model_cls)(config)
+    by_layer = {i: spec for _, spec, layers in layer_specs(tmp_path) for i in layers}
+    assert sorted(by_layer) == list(range(len(model.model.layers)))
+    for i, layer in enumerate(model.model.layers):
+        attn, spec = layer.self_attn, by_layer[i]
+        assert spec.head_dim == attn.head_dim, i
+        assert spec.num_kv_heads == config.num_attention_heads // attn.num_key_value_groups, i
+        assert spec.scale == pytest.approx(attn.scaling), i
+        assert spec.sliding_window == getattr(attn, "sliding_window", None), i
+        assert spec.softcap == getattr(attn, "attn_logit_softcapping", None), i
