@@ -5,6 +5,8 @@ Triton kernels (interpreted on CPU) fp16. Feature mapping (window, softcap, sink
 spec and run arguments the call produces, with the selection replaced by a recorder.
 """
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -561,6 +563,33 @@ def test_bad_inputs_raise_before_the_cache_is_written(monkeypatch):
                                             torch.ones(2, 1, hk, 2 * d, device=DEV), cache_seqlens=seqlens,
                                             page_table=table, causal=True)
         assert kc16.abs().sum().item() == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lengths_past_the_page_table_are_refused_before_anything_is_written(monkeypatch, backend):
+    """cache_seqlens larger than the page table holds (4 pages of 4 = 16 tokens): a new token at position 16 was
+    written over a cached one under Triton (its slot clamped to the table's last page) and a read of 17 tokens
+    took another sequence's page, silently (torch raised its own error). Now a ValueError naming page_table and
+    cache_seqlens for every backend, before the cache is written; a negative length too."""
+    if backend == "triton" and DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    hq, hk, d, ps, kc, table, seqlens, q, k_new = _small_decode(monkeypatch)
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", backend)
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", backend)
+    dtype = torch.float16 if backend == "triton" else torch.float32  # Triton serves fp16/bf16
+    kc, q, k_new = kc.normal_().to(dtype), q.to(dtype), k_new.to(dtype)
+    before = kc.clone()
+    for lens, append, what in (([16, 3], True, "too few for 16 cached + 1 new"),
+                               ([17, 3], False, "too few for 17 cached"), ([-1, 3], False, "negative length -1")):
+        cache_seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        with pytest.raises(ValueError, match=f"attnsel.flash_attn_with_kvcache: .*{re.escape(what)}"):
+            attnsel.flash_attn_with_kvcache(q, kc, kc, *((k_new, k_new) if append else ()),
+                                            cache_seqlens=cache_seqlens, page_table=table, causal=True)
+        assert torch.equal(kc, before)
+    cache_seqlens = torch.tensor([15, 3], dtype=torch.int32, device=DEV)  # the last slot: fine
+    attnsel.flash_attn_with_kvcache(q, kc, kc, k_new, k_new, cache_seqlens=cache_seqlens, page_table=table,
+                                    causal=True)
+    assert torch.equal(kc[table[0, 3].item(), 3], k_new[0, 0])
 
 
 def test_tensors_on_another_device_or_with_strided_last_dims_are_named(monkeypatch):
