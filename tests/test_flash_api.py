@@ -85,6 +85,32 @@ def test_varlen_matches_reference_gqa(monkeypatch, backend, dtype, tol):
     assert sel.prefill == backend
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("backend,dtype,tol", [("torch", torch.float32, 1e-5), ("triton", torch.float16, 2e-3)])
+def test_varlen_with_more_queries_than_keys(monkeypatch, backend, dtype, tol, causal):
+    """Sequences with more queries than keys, and one with no keys: non-causal is cross-attention; causal
+    (bottom-right) leaves the first queries without a key, and FlashAttention gives those rows zeros. torch refused
+    every such sequence (even non-causal), Triton gave NaN (0 / 0) for rows without keys."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", backend)
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    lens_q, lens_k = [5, 2, 3, 4], [3, 2, 0, 40]
+    q, k, v, cu_q, cu_k = ragged(lens_q, lens_k, 4, 2, 16, dtype, seed=2)
+    out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal).float().cpu()
+    assert torch.isfinite(out).all()
+    qs = ks = 0
+    for lq, lk in zip(lens_q, lens_k):
+        got = out[qs:qs + lq]
+        if lk == 0:
+            assert got.abs().max().item() == 0
+        else:
+            ref = reference(q[qs:qs + lq].float().cpu(), k[ks:ks + lk].float().cpu(), v[ks:ks + lk].float().cpu(),
+                            [lq], [lk], 16 ** -0.5, causal=causal)
+            blind = max(lq - lk, 0) if causal else 0  # queries before the first key
+            assert got[:blind].abs().max().item() == 0 if blind else True
+            assert (got[blind:] - ref[blind:]).abs().max().item() < tol
+        qs, ks = qs + lq, ks + lk
+
+
 def test_varlen_scale_and_noncausal(monkeypatch):
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")

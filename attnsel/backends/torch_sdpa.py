@@ -77,7 +77,8 @@ def visible(spec: AttentionSpec, len_q: int, len_k: int, device: torch.device) -
 
 
 def seq_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """(q_start, q_end, k_start, k_end) per sequence; ValueError where a sequence has more queries than keys."""
+    """(q_start, q_end, k_start, k_end) per sequence. A sequence may have more queries than keys (non-causal:
+    cross-attention; causal: its first queries see no key and, as in FlashAttention, give zeros)."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq)} entries but cu_seqlens_k has {len(ck)}")
@@ -86,8 +87,6 @@ def seq_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[t
         lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
         if lq < 0 or lk < 0:
             raise ValueError(f"cu_seqlens must be non-decreasing (sequence {i})")
-        if lq > lk:
-            raise ValueError(f"sequence {i} has {lq} query tokens but only {lk} key tokens")
         bounds.append((cq[i], cq[i + 1], ck[i], ck[i + 1]))
     return bounds
 
@@ -121,28 +120,34 @@ class TorchBackend:
         device = cu_seqlens_q.device
         scale = spec.scale
         use_math = spec.softcap is not None or spec.sinks
-        plans = []  # (bounds, mask, is_causal) per sequence
+        plans = []  # (bounds, mask, is_causal, rows that see a key or None for all) per sequence
         for qs, qe, ks, ke in bounds:
             lq, lk = qe - qs, ke - ks
             if not use_math and spec.sliding_window is None and (not spec.causal or lq == lk):
-                plans.append(((qs, qe, ks, ke), None, spec.causal))  # SDPA's own (top-left = bottom-right here)
+                plans.append(((qs, qe, ks, ke), None, spec.causal, None))  # SDPA's own (top-left = bottom-right)
             else:
                 mask = visible(spec, lq, lk, device)
-                plans.append(((qs, qe, ks, ke), None if mask is None else mask[None, None], False))
+                seen = None if mask is None or lq <= lk else mask.any(-1)[:, None, None]  # [lq, 1, 1]
+                plans.append(((qs, qe, ks, ke), None if mask is None else mask[None, None], False, seen))
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
                 ) -> torch.Tensor:
             check_sinks(spec, sinks)
             out = torch.empty_like(q)
-            for (qs, qe, ks, ke), mask, is_causal in plans:
+            for (qs, qe, ks, ke), mask, is_causal, seen in plans:
                 if qe == qs:
+                    continue
+                if ke == ks:  # no keys at all: zeros (FlashAttention's output for a row that sees nothing)
+                    out[qs:qe] = 0
                     continue
                 qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[qs:qe], k[ks:ke], v[ks:ke]))
                 if use_math:
                     o = attend_math(qb, kb, vb, scale, mask=mask, softcap=spec.softcap, sinks=sinks)
                 else:
                     o = sdpa(qb, kb, vb, scale, is_causal=is_causal, mask=mask)
-                out[qs:qe] = o[0].transpose(0, 1)
+                o = o[0].transpose(0, 1)
+                out[qs:qe] = o if seen is None else torch.where(seen, o, torch.zeros((), dtype=o.dtype,
+                                                                                     device=o.device))
             return out
 
         return run

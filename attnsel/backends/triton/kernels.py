@@ -61,7 +61,9 @@ def _prefill_block(acc, m_i, l_i, q, K, V, start_n, offs_m, offs_n, offs_d, len_
             keep = keep & (cols[None, :] > offs_m[:, None] + shift - WINDOW)
         qk = tl.where(keep, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    if WINDOW > 0:  # a row may have no key yet in a block left of its window: keep m -inf, exponentiate against 0
+    if WINDOW > 0 or (CAUSAL and MASKED):  # a row may have no key yet in a block left of its window, or none at
+        # all (causal with more queries than keys: the first queries see nothing): keep m -inf, exponentiate
+        # against 0 (else -inf - -inf = NaN); one select per row of a masked block
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_ref = m_new
@@ -147,7 +149,8 @@ def prefill_kernel(Q, K, V, O, cu_q, cu_k, SINKS, scale_in,
                                        UPCAST)
     if HAS_SINKS:
         acc, l_i = _add_sinks(acc, m_i, l_i, SINKS, head + offs_m * 0, m_mask)
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key (more queries than keys,
+    # causal; or no keys): acc is 0, out 0 as in FlashAttention (was 0 / 0 = NaN)
     tl.store(O + q_rows[:, None] * stride_ot + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
 
