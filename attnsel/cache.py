@@ -144,25 +144,56 @@ class ResultCache:
 
 def entry_problem(entry) -> str | None:
     """What is wrong with one cache entry (a hand edit, another program's file), or None: a validation result needs a
-    status ("valid" or "rejected") and a text reason; a dispatch entry needs its measured buckets in the form
-    timing.measure gives them."""
+    status ("valid" or "rejected"), a text reason, numbers (or null) for its error, tolerance and time, an object of
+    timings per mode; a dispatch entry needs its measured buckets in the form timing.measure gives them. What
+    selection.py and ``attnsel cache show`` read of an entry is checked here, so that a malformed one is validated
+    again instead of failing every run."""
     if not isinstance(entry, dict):
         return f"a {type(entry).__name__}, not an object"
+    for field in ("backend", "phase", "device"):
+        if not isinstance(entry.get(field, ""), str):
+            return f"{field} {entry[field]!r} is not text"
     if entry.get("kind") == "dispatch":
-        measured = entry.get("measured")
-        if not isinstance(measured, dict) or not all(k in measured for k in ("phase", "mode", "axes", "buckets",
-                                                                             "grid_version")):
-            return "a dispatch entry without phase, mode, axes, buckets and grid_version"
-        if not isinstance(measured["buckets"], list) or not isinstance(measured["axes"], list):
-            return "a dispatch entry whose buckets or axes are not lists"
-        for b in measured["buckets"]:
-            if not (isinstance(b, dict) and isinstance(b.get("us"), dict) and isinstance(b.get("key"), list)
-                    and isinstance(b.get("label"), str)
-                    and all(isinstance(t, (int, float)) or t is None for t in b["us"].values())):
-                return "a dispatch bucket without us (times), key and label"
-        return None
+        return _dispatch_problem(entry)
     if entry.get("status") not in ("valid", "rejected"):
         return f"status {entry.get('status')!r}, expected 'valid' or 'rejected'"
     if not isinstance(entry.get("reason", ""), str):
         return "a reason that is not text"
+    for field in ("max_abs_err", "tolerance", "time_s"):
+        if not _number_or_none(entry.get(field)):
+            return f"{field} {entry[field]!r} is not a number"
+    timings = entry.get("timings", {})
+    if not isinstance(timings, dict) or not all(isinstance(m, str) and isinstance(t, dict)
+                                                for m, t in timings.items()):
+        return "timings that are not an object of mode -> timing"
     return None
+
+
+def _dispatch_problem(entry: dict) -> str | None:
+    measured = entry.get("measured")
+    if not isinstance(entry.get("status"), str):
+        return f"a dispatch entry with status {entry.get('status')!r}"
+    if not isinstance(measured, dict) or not all(k in measured for k in ("phase", "mode", "axes", "buckets",
+                                                                         "grid_version")):
+        return "a dispatch entry without phase, mode, axes, buckets and grid_version"
+    if not isinstance(measured["phase"], str) or not isinstance(measured["mode"], str):
+        return "a dispatch entry whose phase or mode is not text"
+    if not isinstance(measured["buckets"], list) or not isinstance(measured["axes"], list):
+        return "a dispatch entry whose buckets or axes are not lists"
+    pruned = measured.get("pruned", {})
+    if (not isinstance(pruned, dict) or not all(_number_or_none(r) for r in pruned.values())
+            or not isinstance(measured.get("skipped", []), list)):
+        return "a dispatch entry whose pruned or skipped candidates are malformed"
+    axes = len(measured["axes"])
+    for b in measured["buckets"]:
+        if not (isinstance(b, dict) and isinstance(b.get("us"), dict) and isinstance(b.get("label"), str)
+                and isinstance(b.get("key"), list) and len(b["key"]) == axes
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in b["key"])
+                and all(_number_or_none(t) for t in b["us"].values())
+                and all(isinstance(b.get(f, {}), dict) for f in ("errors", "spread"))):
+            return "a dispatch bucket without us (times), key (one int per axis) and label"
+    return None
+
+
+def _number_or_none(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))

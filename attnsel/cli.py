@@ -471,9 +471,10 @@ def cmd_cache(args: argparse.Namespace, out: Console) -> int:
         table = Table(title=f"{cache.path}: {len(entries)} entries")
         for col in ("key", "backend", "phase", "status", "device", "spec", "timed modes"):
             table.add_column(col, overflow="fold")
-        for key, e in sorted(entries.items(), key=lambda ke: (str(ke[1].get("spec")), ke[1].get("backend", ""))):
-            table.add_row(key[:8], e.get("backend", "?"), e.get("phase", "?"), e.get("status", "?"),
-                          str(e.get("device")), _spec_label(e.get("spec", {})), ",".join(e.get("timings", {})))
+        for key, e in sorted(entries.items(), key=lambda ke: (str(ke[1].get("spec")), str(ke[1].get("backend")))):
+            table.add_row(key[:8], str(e.get("backend", "?")), str(e.get("phase", "?")), str(e.get("status", "?")),
+                          str(e.get("device")), _spec_label(e.get("spec", {})),
+                          ",".join(map(str, e.get("timings") or {})))
         out.print(table)
         out.print("key: the entry's hash of (device fingerprint, spec, backend identity, phase): entries alike but "
                   "for the key were made under other package versions or attnsel sources; only those matching this "
@@ -551,10 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
     stdout = sys.stdout
-    sys.stdout = _MarkedStdout(stdout)
+    if stdout is not None:  # None: started with stdout closed (`>&-`); print() and rich write nothing then
+        sys.stdout = _MarkedStdout(stdout)
     try:
         result = args.func(args, Console())
-        sys.stdout.flush()  # a full disk shows here for output still buffered
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a full disk shows here for output still buffered
         return result
     except (SpecError, UsageError, UnknownBackendError, ValueError) as exc:
         err.print(f"attnsel: error: {exc}", markup=False, highlight=False, soft_wrap=True)
@@ -565,12 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     except CannotRun as exc:
         err.print(f"attnsel: cannot run: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_UNSERVED
-    except BrokenPipeError:  # the reader of stdout went away (`attnsel cache path | head -0`; rich's tables
-        # handle it themselves: exit 1): no traceback, the shell's status for SIGPIPE
+    except BrokenPipeError as pipe:  # the reader of stdout went away (`attnsel cache path | head -0`; rich's
+        # tables handle it themselves: exit 1): no traceback, the shell's status for SIGPIPE
         try:
             fd = sys.stdout.fileno()
         except (OSError, ValueError):  # not a real stdout (main() called from Python): not ours to handle
-            raise
+            raise pipe from None
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, fd)  # Python's flush of stdout at exit would raise again
         return 128 + 13

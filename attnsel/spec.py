@@ -177,8 +177,15 @@ _HF_DEFAULTS: dict[str, dict] = {
     "cohere2": {"sliding_window": 4096, "sliding_window_pattern": 4},
     "mistral": {"sliding_window": 4096},
     "qwen2": _QWEN, "qwen2_moe": _QWEN, "qwen3": _QWEN, "qwen3_moe": {**_QWEN, "max_window_layers": 0},
+    "gemma4_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "num_hidden_layers": 30,
+                    "sliding_window": 512, "sliding_window_pattern": 6},
 }
-_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}  # multimodal model_type -> its text_config's
+_LAST_LAYER_FULL = {"gemma4", "gemma4_text"}  # transformers forces the last layer to full attention
+# Model types whose attention the reader does not describe (with what is missing): refused, not guessed.
+_REFUSED_MODEL_TYPES = {"diffusion_gemma": "a bidirectional (diffusion) decoder with softmax scale 1",
+                        "diffusion_gemma_text": "a bidirectional (diffusion) decoder with softmax scale 1"}
+_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
+# (multimodal model_type -> its text_config's)
 _SINKS_MODEL_TYPES = {"gpt_oss"}  # learned per-head sink logits (a parameter, no config field)
 # Softmax scale 1 (q and k are RMS-normed; transformers 5.17 sets `self.scaling = 1.0`, no config field).
 _UNIT_SCALE_MODEL_TYPES = {"gemma3n", "gemma3n_text", "gemma4", "gemma4_text"}
@@ -264,6 +271,11 @@ def _refuse_inexpressible(config: dict) -> None:
         found.append(f"attn_config.alibi {attn['alibi']!r}")
     if config.get("model_type") == "bloom":
         found.append("model_type 'bloom'")
+    if config.get("model_type") in _REFUSED_MODEL_TYPES:
+        raise SpecError(f"config: model_type {config['model_type']!r}: "
+                        f"{_REFUSED_MODEL_TYPES[config['model_type']]}, which attnsel's config reader does not "
+                        "describe; give the spec's fields yourself (AttentionSpec(...), or --num-heads etc. "
+                        "without --config)")
     if found:
         meaning = sorted({_REFUSED.get(f.split()[0], "ALiBi position biases") for f in found})
         raise SpecError(f"config: {', '.join(found)}: {' and '.join(meaning)}, which AttentionSpec cannot express "
@@ -453,6 +465,8 @@ def layer_specs(config: dict | str | Path, **overrides) -> list[tuple[LayerKind,
     given = {k: v for k, v in overrides.items() if v is not None}
     base = hf_fields(config, skip=given)
     kinds, window = (None, given["sliding_window"]) if "sliding_window" in given else _layer_kinds(config)
+    if kinds and kinds[-1] != "full_attention" and config.get("model_type") in _LAST_LAYER_FULL:
+        kinds = [*kinds[:-1], "full_attention"]
     n_key, n = _get(config, "num_hidden_layers")
     indices_known = kinds is not None or n is not None
     if kinds is None:

@@ -93,10 +93,13 @@ def test_a_file_of_bytes_that_are_no_text_is_ignored_and_rewritten(caplog):
 
 
 @pytest.mark.parametrize("bad", [{}, "valid", None, {"status": "weird"}, {"status": "valid", "reason": 3},
+                                 {"status": "valid", "max_abs_err": "x"}, {"status": "valid", "timings": [1]},
+                                 {"status": "rejected", "backend": 5},
                                  {"kind": "dispatch", "measured": {"buckets": 1}},
                                  {"kind": "dispatch", "measured": {"phase": "decode", "mode": "eager", "axes": [],
                                                                    "grid_version": 3, "buckets": [{"us": "x"}]}}],
-                         ids=["no-status", "string", "null", "unknown-status", "reason-not-text", "dispatch-no-fields",
+                         ids=["no-status", "string", "null", "unknown-status", "reason-not-text", "error-not-number",
+                              "timings-not-object", "backend-not-text", "dispatch-no-fields",
                               "dispatch-bad-bucket"])
 def test_a_malformed_entry_is_ignored_and_replaced(bad, caplog):
     """A schema-valid file with one malformed entry (a hand edit): was a KeyError/TypeError traceback from every
@@ -112,6 +115,30 @@ def test_a_malformed_entry_is_ignored_and_replaced(bad, caplog):
     assert sel.cache == "miss" and "malformed entry ignored" in caplog.text
     assert ResultCache().entries()[key]["status"] in ("valid", "rejected")
     assert select(SPEC, policy="priority").cache == "hit"
+
+
+def test_entry_problem_reads_dispatch_entries_as_selection_does():
+    """A dispatch entry as timing.measure writes it passes; each field selection.build_table or the report reads,
+    malformed, is named (each of these crashed select() or `attnsel report` from a cached file)."""
+    from attnsel.cache import entry_problem
+
+    good = {"kind": "dispatch", "status": "2 buckets", "backend": "(dispatch table)", "phase": "decode",
+            "measured": {"phase": "decode", "mode": "eager", "axes": ["batch", "context"], "grid_version": 3,
+                         "skipped": [], "pruned": {"torch": 2.5}, "wall_s": 1.0,
+                         "buckets": [{"key": [1, 256], "label": "1x256", "us": {"triton": 10.0, "torch": None},
+                                      "spread": {"triton": 0.01}, "errors": {}}]}}
+    assert entry_problem(good) is None
+    edits = {"status": lambda e: e.update(status=5), "phase": lambda e: e["measured"].update(phase=7),
+             "pruned": lambda e: e["measured"].update(pruned=[1]), "skipped": lambda e: e["measured"].update(skipped=5),
+             "key-empty": lambda e: e["measured"]["buckets"][0].update(key=[]),
+             "key-text": lambda e: e["measured"]["buckets"][0].update(key=["a", "b"]),
+             "errors": lambda e: e["measured"]["buckets"][0].update(errors=[1]),
+             "spread": lambda e: e["measured"]["buckets"][0].update(spread=[1]),
+             "us-bool": lambda e: e["measured"]["buckets"][0]["us"].update(torch=True)}
+    for name, edit in edits.items():
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        assert entry_problem(bad), name
 
 
 def test_a_directory_in_place_of_the_results_file_is_a_clear_error(tmp_path):

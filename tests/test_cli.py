@@ -342,6 +342,29 @@ def test_output_that_stdout_cannot_take_is_one_line_exit_1(tmp_path, argv):
     assert proc.returncode == 1
 
 
+def test_a_closed_stdout_is_no_error(tmp_path):
+    """Started with stdout closed (`>&-`): Python sets sys.stdout to None and print() writes nothing. The stdout
+    wrapper of the /dev/full fix raised AttributeError there (a traceback, exit 1); it is not installed then."""
+    env = dict(os.environ, ATTNSEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run(["sh", "-c", f"'{sys.executable}' -m attnsel.cli cache path >&-"], env=env,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_broken_pipe_on_a_stream_without_a_descriptor_is_raised_as_such(monkeypatch):
+    """main() called from Python with a stdout that has no file descriptor: the BrokenPipeError is not ours to
+    handle and is raised as it is (was io.UnsupportedOperation from the fileno() probe)."""
+    import io
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    with pytest.raises(BrokenPipeError):
+        main(["cache", "path"])
+
+
 def test_a_bad_flashinfer_workspace_variable_is_refused_without_flashinfer(capsys, monkeypatch):
     """ATTNSEL_FLASHINFER_WORKSPACE_MB is read only where FlashInfer runs: on a machine without it (or with an
     explicit backend) a bad value went unnoticed until FlashInfer ran. Now refused by every selection, exit 2."""

@@ -97,7 +97,9 @@ def test_varlen_with_more_queries_than_keys(monkeypatch, backend, dtype, tol, ca
         pytest.skip(f"{backend} needs a CUDA device")
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", backend)
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
-    lens_q, lens_k = [5, 2, 3, 4], [3, 2, 0, 40]
+    lens_q, lens_k = [5, 2, 3, 4, 150], [3, 2, 0, 40, 6]  # the last: 144 queries more than keys, past a key tile
+    # (BLOCK_N <= 128): its blind tiles read keys before the sequence (the one before it) when the first tile that
+    # every row sees was computed as a negative block
     q, k, v, cu_q, cu_k = ragged(lens_q, lens_k, 4, 2, 16, dtype, seed=2)
     out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal).float().cpu()
     assert torch.isfinite(out).all()

@@ -264,6 +264,10 @@ BUILT = {
                 dict(layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=8,
                      num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
                      laurel_rank=4, activation_sparsity_pattern=[0.0] * 6)),
+    "gemma4-7-layers-bare": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(global_head_dim=32, sliding_window=8,
+                                                                           num_hidden_layers=7,
+                                                                           hidden_size_per_layer_input=8,
+                                                                           vocab_size_per_layer_input=128)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=8, query_pre_attn_scalar=32)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=8, attn_logit_softcapping=30.0)),
 }
@@ -280,6 +284,12 @@ def test_layer_specs_agree_with_the_model_transformers_builds(name, tmp_path):
         pytest.skip(f"transformers {transformers.__version__} has no {config_cls}")
     config = getattr(transformers, config_cls)(**{**TINY, **extra})
     config.save_pretrained(tmp_path)
+    if name.endswith("-bare"):  # a hand-written config.json: transformers derives layer kinds and head dims itself
+        data = json.loads((tmp_path / "config.json").read_text())
+        for key in ("layer_types", "per_layer_config"):
+            data.pop(key)
+        (tmp_path / "config.json").write_text(json.dumps(data))
+        config = transformers.AutoConfig.from_pretrained(tmp_path)
     model = getattr(transformers, model_cls)(config)
     by_layer = {i: spec for _, spec, layers in layer_specs(tmp_path) for i in layers}
     assert sorted(by_layer) == list(range(len(model.model.layers)))
@@ -290,3 +300,11 @@ def test_layer_specs_agree_with_the_model_transformers_builds(name, tmp_path):
         assert spec.scale == pytest.approx(attn.scaling), i
         assert spec.sliding_window == getattr(attn, "sliding_window", None), i
         assert spec.softcap == getattr(attn, "attn_logit_softcapping", None), i
+
+
+def test_a_diffusion_gemma_config_is_refused():
+    """diffusion_gemma's decoder attends both ways with scale 1: the reader does not describe it (it read a causal
+    spec with 1/sqrt(head_dim)); refused with the model type named."""
+    with pytest.raises(SpecError, match="model_type 'diffusion_gemma_text': a bidirectional"):
+        layer_specs({"model_type": "diffusion_gemma_text", "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 16, "num_hidden_layers": 2})

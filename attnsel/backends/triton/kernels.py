@@ -126,7 +126,9 @@ def prefill_kernel(Q, K, V, O, cu_q, cu_k, SINKS, scale_in,
     row0 = pid_m * BLOCK_M + shift  # key position of the tile's first query
     if CAUSAL:
         end_n = tl.minimum(len_k, (pid_m + 1) * BLOCK_M + shift)
-        full_n = ((row0 + 1) // BLOCK_N) * BLOCK_N  # every row of the tile sees these keys
+        # every row of the tile sees these keys; at least 0: with many more queries than keys row0 is far below 0,
+        # and (row0 + 1) // BLOCK_N truncates towards 0 to a negative block (keys before the sequence were read)
+        full_n = tl.maximum(((row0 + 1) // BLOCK_N) * BLOCK_N, 0)
     else:
         end_n = len_k
         full_n = (len_k // BLOCK_N) * BLOCK_N
