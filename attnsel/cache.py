@@ -55,9 +55,9 @@ class ResultCache:
             raise ValueError(f"{where} {str(self.dir)!r} cannot be used as a directory ({exc.strerror or exc}); give "
                              "a directory attnsel may write to, or turn the cache off (--no-cache, use_cache=False)"
                              ) from None
-        self._check_file()
+        self.check_file()
 
-    def _check_file(self) -> None:
+    def check_file(self) -> None:
         """ValueError naming the results file when something other than a file is in its place (a directory): it
         could be neither read nor replaced."""
         if self.path.exists() and not self.path.is_file():
@@ -104,7 +104,7 @@ class ResultCache:
     def put_many(self, new: dict[str, dict]) -> None:
         """Merge entries into the file (re-read under the lock so that concurrent writers lose nothing)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._check_file()
+        self.check_file()
         with self.lock:
             entries = self._read()
             for key, entry in new.items():
@@ -135,7 +135,7 @@ class ResultCache:
             if self.dir.exists() or any(parent.exists() and not parent.is_dir() for parent in self.dir.parents):
                 self.prepare()  # raises, naming the path
             return 0
-        self._check_file()
+        self.check_file()
         with self.lock:
             count = len(self._read())
             self.path.unlink(missing_ok=True)

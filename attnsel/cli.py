@@ -1,5 +1,5 @@
 """`attnsel report | select | bench | cache | serve`: exit 0 on success, 2 for bad input, 3 when a phase cannot be
-served (or `bench` finds no CUDA device)."""
+served (or `bench` or `--mode graph` finds no CUDA device), 1 when stdout cannot take the output."""
 from __future__ import annotations
 
 import argparse
@@ -467,6 +467,7 @@ def cmd_cache(args: argparse.Namespace, out: Console) -> int:
     elif args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.path}")
     else:
+        cache.check_file()  # a directory in its place: exit 2 as for select and clear (not "0 entries")
         entries = cache.entries()
         table = Table(title=f"{cache.path}: {len(entries)} entries")
         for col in ("key", "backend", "phase", "status", "device", "spec", "timed modes"):

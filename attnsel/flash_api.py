@@ -38,6 +38,7 @@ import itertools
 import logging
 import math
 import numbers
+import operator
 import os
 
 import torch
@@ -123,11 +124,18 @@ def _show(value) -> str:
 
 def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int | None, float | None]:
     """(sliding_window, softcap) of the spec from FlashAttention's window_size and softcap."""
-    left, right = window_size
+    try:
+        left, right = window_size
+        left, right = operator.index(left), operator.index(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"attnsel.{func}: window_size must be a pair of ints (left, right), got {window_size!r}; "
+                         "allowed: (-1, -1) (no window), or (left, 0) / (left, -1) with causal=True") from None
     window = None
     if (left, right) != (-1, -1):
-        if not causal:
-            _unsupported(func, {"window_size": window_size, "causal": causal})  # local non-causal attention
+        if not causal:  # local non-causal attention
+            raise UnsupportedArgument(f"attnsel.{func}: window_size={window_size!r} with causal=False: not supported "
+                                      "by attnsel; allowed: (-1, -1) (no window), or (left, 0) / (left, -1) with "
+                                      "causal=True (a sliding window of left + 1 keys)")
         if left < 0:  # (-1, r) with causal: plain causal attention
             window = None
         else:

@@ -150,6 +150,9 @@ def test_a_directory_in_place_of_the_results_file_is_a_clear_error(tmp_path):
         select(SPEC, policy="priority", cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="is not a file"):
         cache.clear()
+    from attnsel.cli import main
+
+    assert main(["cache", "show", "--cache-dir", str(tmp_path)]) == 2  # was "0 entries", exit 0
 
 
 def _writer(directory: str, worker: int, rounds: int) -> None:

@@ -259,12 +259,24 @@ def test_one_plan_per_step_and_selection_once_per_spec(monkeypatch):
     assert len(calls) == 1 and calls[0].num_q_heads == 2
 
 
+@pytest.mark.parametrize("window", [(2,), (2, 0, 1), ("a", 0), 3, (2.5, 0)])
+def test_a_window_size_that_is_not_a_pair_of_ints_is_named(monkeypatch, window):
+    """window_size=(2,) gave a bare "not enough values to unpack"; now the argument and what is allowed."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    q, k, v, cu_q, cu_k = ragged([3], [3], 2, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"window_size must be a pair of ints \(left, right\), got .*allowed: "
+                                         r"\(-1, -1\) \(no window\)"):
+        attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, window_size=window)
+
+
 @pytest.mark.parametrize("func,kwargs,name", [
     ("varlen", {"qv": torch.zeros(1)}, "qv"),
     ("varlen", {"num_splits": 2}, "num_splits=2"),
     ("varlen", {"return_attn_probs": True}, "return_attn_probs=True"),
     ("varlen", {"seqused_k": torch.zeros(1)}, "seqused_k"),
-    ("varlen", {"window_size": (4, 4), "causal": False}, "window_size=(4, 4)"),
+    ("varlen", {"window_size": (4, 4), "causal": False}, "window_size=(4, 4) with causal=False: not supported by "
+                                                         "attnsel; allowed: (-1, -1) (no window), or (left, 0)"),
     ("kvcache", {"rotary_cos": torch.zeros(1)}, "rotary_cos"),
     ("kvcache", {"scheduler_metadata": torch.zeros(1)}, "scheduler_metadata"),
     ("kvcache", {"return_softmax_lse": True}, "return_softmax_lse=True"),
