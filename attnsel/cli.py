@@ -605,16 +605,15 @@ class _MarkedStdout:
         return getattr(self._stream, name)
 
     def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            raise StdoutError(exc.errno, exc.strerror) from exc
+        return self._marked(self._stream.write, text)
 
     def flush(self) -> None:
+        self._marked(self._stream.flush)
+
+    @staticmethod
+    def _marked(call, *args):
         try:
-            self._stream.flush()
+            return call(*args)
         except BrokenPipeError:
             raise
         except OSError as exc:
