@@ -42,6 +42,7 @@ class ResultCache:
         self.dir = Path(directory) if directory is not None else default_dir()
         self.path = self.dir / FILENAME
         self.lock = filelock.FileLock(str(self.path) + ".lock", timeout=120)
+        self._warned: tuple | None = None  # the file state (size, mtime) last warned about: put_many re-reads it
 
     def prepare(self) -> None:
         """Make the cache directory if it is missing; ValueError naming it when it cannot be one (a file is in the
@@ -66,35 +67,17 @@ class ResultCache:
 
     def _read(self) -> dict:
         try:
-            text = self.path.read_bytes().decode("utf-8")
+            raw = self.path.read_bytes()
+            state = (len(raw), self.path.stat().st_mtime_ns)
         except FileNotFoundError:
             return {}
         except OSError as exc:
             log.warning("cache %s unreadable (%s); ignoring it", self.path, exc)
             return {}
-        except UnicodeDecodeError as exc:  # bytes that are no text: as corrupt as broken JSON
-            log.warning("cache %s is corrupt (not UTF-8: %s); ignoring it, it will be rewritten", self.path, exc)
-            return {}
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            log.warning("cache %s is corrupt (%s); ignoring it, it will be rewritten", self.path, exc)
-            return {}
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
-            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            log.warning("cache %s has schema %r, expected %d; ignoring it, it will be rewritten", self.path, found,
-                        SCHEMA)
-            return {}
-        entries, bad = {}, []
-        for key, entry in data["entries"].items():
-            problem = entry_problem(entry)
-            if problem:
-                bad.append(f"{key[:12]}: {problem}")
-            else:
-                entries[key] = entry
-        if bad:  # each is validated or timed again and its new entry replaces it
-            log.warning("cache %s: %d malformed entr%s ignored (%s); they will be rewritten", self.path, len(bad),
-                        "y" if len(bad) == 1 else "ies", "; ".join(bad[:3]))
+        entries, problem = _parse(raw)
+        if problem and state != self._warned:  # once per file state: a run reads it, then re-reads it to write
+            self._warned = state
+            log.warning("cache %s: %s", self.path, problem)
         return entries
 
     def get_many(self, keys: list[str]) -> dict[str, dict]:
@@ -140,6 +123,31 @@ class ResultCache:
             count = len(self._read())
             self.path.unlink(missing_ok=True)
         return count
+
+
+def _parse(raw: bytes) -> tuple[dict, str | None]:
+    """The results file's valid entries and, when anything was dropped, what and why (for the warning)."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:  # bytes that are no text: as corrupt as broken JSON
+        return {}, f"corrupt (not UTF-8: {exc}); ignoring it, it will be rewritten"
+    except json.JSONDecodeError as exc:
+        return {}, f"corrupt ({exc}); ignoring it, it will be rewritten"
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        return {}, f"schema {found!r}, expected {SCHEMA}; ignoring it, it will be rewritten"
+    entries, bad = {}, []
+    for key, entry in data["entries"].items():
+        problem = entry_problem(entry)
+        if problem:
+            bad.append(f"{key[:12]}: {problem}")
+        else:
+            entries[key] = entry
+    if not bad:
+        return entries, None
+    # each is validated or timed again and its new entry replaces it
+    return entries, (f"{len(bad)} malformed entr{'y' if len(bad) == 1 else 'ies'} ignored ({'; '.join(bad[:3])}); "
+                     "they will be rewritten")
 
 
 def entry_problem(entry) -> str | None:
