@@ -374,7 +374,7 @@ def _check_features(spec: AttentionSpec, kwargs: dict, phase: str) -> None:
             raise ValueError(f"{name}: given, but {why} (no scales)")
 
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
+_INDEX_DTYPES = (torch.int32,)  # as FlashAttention: an int64 copy made at plan time would not see in-place updates
 
 
 def _host_int(value) -> bool:

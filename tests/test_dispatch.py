@@ -700,6 +700,14 @@ def test_plan_metadata_is_checked_before_any_backend_sees_it():
         sel.plan_prefill(cu.float(), cu, 7, 7, 12)
     with pytest.raises(ValueError, match=r"^max_seqlen_k: expected a non-negative Python int"):
         sel.plan_prefill(cu, cu, 7, -1, 12)
+    # int64 metadata, as FlashAttention refuses it: backends would plan from an int32 copy, which in-place updates
+    # of the caller's tensors (between CUDA-graph replays) never reach (was accepted, unlike the FA-compatible calls)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: expected a 1-D int32 tensor .* got \[3\] int64"):
+        sel.plan_prefill(cu.long(), cu.long(), 7, 7, 12)
+    with pytest.raises(ValueError, match=r"^seq_lens: expected a 1-D int32 tensor \[batch\], got \[2\] int64"):
+        sel.plan_decode(torch.zeros(2, 2, dtype=torch.int32), lens.long(), 20)
+    with pytest.raises(ValueError, match=r"^page_table: .* got \[2, 2\] int64 on cpu$"):
+        sel.plan_decode(torch.zeros(2, 2, dtype=torch.long), lens, 20)
 
 
 def test_run_refuses_a_strided_last_dimension():
