@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from . import backends
+from . import backends, metadata_values
 from .backends import PHASES, Phase, RunFn
 from .cache import ResultCache, entry_key
 from .device import fingerprint
@@ -467,10 +467,12 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
     return checked
 
 
-def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1hd: bool = False) -> RunFn:
+def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1hd: bool = False,
+                   seen: metadata_values.Seen | None = None) -> RunFn:
     """run(q, k_cache, v_cache, **features) with the tensors checked against the spec and plan (no sync). With
     ``b1hd`` q must be ``[batch, 1, heads, head_dim]`` (run takes that layout, natively or through
-    ``viewed_b1hd``)."""
+    ``viewed_b1hd``). ``seen``: what a value-checked plan read (``ATTNSEL_CHECK_METADATA``): the caches must hold
+    the pages its rows read."""
     hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
     dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
     plain = not (spec.sinks or spec.kv_dtype)
@@ -509,12 +511,25 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
             _raise_first_non_tensor(device, q=(q, q_shape, dt), k_cache=(k_cache, (None, ps, hk, d), kdt),
                                     v_cache=(v_cache, (None, ps, hk, d), kdt))
             raise
+        if seen is not None:
+            metadata_values.check_decode_run(seen, k_cache)
         if kwargs or not plain:
             _check_features(spec, kwargs, "decode")
         return run(q, k_cache, v_cache, **kwargs)
 
     _keep_current(checked, run)
     return checked
+
+
+def _pages_checked(run: RunFn, seen: metadata_values.Seen) -> RunFn:
+    """An unchecked decode run (the FA-compatible calls check the rest) that still holds the caches to the pages its
+    value-checked plan reads (``ATTNSEL_CHECK_METADATA``)."""
+    def pages_checked(q, k_cache, v_cache, **kwargs):
+        metadata_values.check_decode_run(seen, k_cache)
+        return run(q, k_cache, v_cache, **kwargs)
+
+    _keep_current(pages_checked, run)
+    return pages_checked
 
 
 def viewed_b1hd(run: RunFn) -> RunFn:
@@ -614,6 +629,11 @@ class Selection:
         ``checked=False`` returns the backend's run function itself, for a caller that checks q/k/v against the spec
         on every call on its own (the FA-compatible functions do): a wrong tensor then reaches the kernel."""
         check_prefill_metadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if metadata_values.enabled():  # opt-in: one host copy per plan (see metadata_values)
+            seen = metadata_values.check_prefill(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                                                 total_k)
+            if seen is not None:
+                total_q, total_k = seen.total_q, seen.total_k
         n = cu_seqlens_q.shape[0] - 1
         name = self.prefill_backend_for(n, total_q if total_q is not None else n * max_seqlen_q, max_seqlen_q)
         run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -642,6 +662,8 @@ class Selection:
             raise ValueError(f"q_layout: expected 'bhd' ([batch, heads, head_dim]) or 'b1hd' ([batch, 1, heads, "
                              f"head_dim]), got {q_layout!r}")
         check_decode_metadata(page_table, seq_lens, max_seq_len)
+        seen = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size)
+                if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
         batch = seq_lens.shape[0]
         if context_tokens is not None:
             if not _host_int(context_tokens) or context_tokens < 0:
@@ -659,8 +681,8 @@ class Selection:
         if b1hd and not backends.decode_takes_b1hd(backend):
             run = viewed_b1hd(run)
         if not checked:
-            return run
-        return checked_decode(run, self.spec, seq_lens.get_device(), batch, b1hd)
+            return run if seen is None else _pages_checked(run, seen)
+        return checked_decode(run, self.spec, seq_lens.get_device(), batch, b1hd, seen)
 
     def to_json(self) -> dict:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,
@@ -727,6 +749,7 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     # and ATTNSEL_FLASHINFER_WORKSPACE_MB, read only where FlashInfer runs (on a machine without it, never)
     from .backends.flashinfer import workspace_bytes
     workspace_bytes()
+    metadata_values.enabled()  # and ATTNSEL_CHECK_METADATA, read at every plan
     if budget_s is None:
         budget_s = timing.budget_from_env()
     elif not budget_s > 0:

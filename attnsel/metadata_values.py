@@ -1,0 +1,115 @@
+"""Opt-in checks of plan metadata *values* (``ATTNSEL_CHECK_METADATA=1``): a debugging mode for engine developers.
+
+By default attnsel trusts the values in ``cu_seqlens``, ``seq_lens`` and ``page_table`` (checking them needs a
+device-to-host copy per plan, and an engine's step loop must not sync). A wrong value is not harmless, though:
+offsets that run backwards or past q, a length past the page table or a page id past the cache make a kernel read
+another sequence's memory (silently wrong output) or fault (a CUDA context that is dead for the whole process). With
+the variable set, every ``Selection.plan_prefill`` / ``plan_decode`` (and the FA-compatible calls, which plan
+through them) copies the metadata to the host once per plan and raises ValueError naming the argument, the row and
+what is allowed; the run function then compares the tensors it gets with what the plan read (host ints, no sync per
+run). Plans made during CUDA-graph capture are not checked (a copy to the host cannot be captured).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+ENV = "ATTNSEL_CHECK_METADATA"
+
+
+def enabled() -> bool:
+    """Whether ``ATTNSEL_CHECK_METADATA`` asks for value checks ("1"/"true"/"yes"/"on"; "0"/"false"/"no"/"off"/unset:
+    no). Any other value is a ValueError naming the variable."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${ENV}={os.environ[ENV]!r}: expected 1/true/yes/on (check plan metadata values, one host copy "
+                     "per plan) or 0/false/no/off (trust them, the default)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What a checked plan read from its metadata, for the run's host-only comparisons.
+
+    total_q, total_k: prefill token counts (``cu_seqlens_*[-1]``); pages_needed: decode, one more than the largest
+    page id a sequence reads (the caches need at least that many pages)."""
+
+    total_q: int | None = None
+    total_k: int | None = None
+    pages_needed: int | None = None
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _offsets(arg: str, cu: torch.Tensor, longest: int, longest_arg: str) -> int:
+    """Checks one cu_seqlens tensor (host copy given): starts at 0, never decreases, no sequence longer than
+    ``longest``; returns its last offset (the token count)."""
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{arg}[0] is {values[0]}; allowed: 0 (offsets of packed sequences start at 0)")
+    for i in range(len(values) - 1):
+        n = values[i + 1] - values[i]
+        if n < 0:
+            raise ValueError(f"{arg} decreases at sequence {i} ({values[i]} -> {values[i + 1]}); allowed: "
+                             "non-decreasing offsets")
+        if n > longest:
+            raise ValueError(f"sequence {i} has {n} tokens by {arg} ({values[i]} -> {values[i + 1]}), more than "
+                             f"{longest_arg}={longest}; allowed: {longest_arg} >= every sequence's length")
+    return values[-1]
+
+
+def check_prefill(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  total_q: int | None, total_k: int | None) -> Seen | None:
+    """The values of a prefill plan's metadata (int32 ``[batch + 1]`` offsets; shapes and dtypes already checked);
+    None when nothing was checked (during capture). ValueError naming the first wrong value."""
+    if _capturing(cu_seqlens_q):
+        return None
+    tq = _offsets("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+    tk = _offsets("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
+    for arg, given, seen, cu in (("total_q", total_q, tq, "cu_seqlens_q"), ("total_k", total_k, tk, "cu_seqlens_k")):
+        if given is not None and given != seen:
+            raise ValueError(f"{arg}={given} but {cu}[-1] is {seen}; allowed: {arg} equal to {cu}[-1] (or None)")
+    return Seen(total_q=tq, total_k=tk)
+
+
+def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,
+                 page_size: int) -> Seen | None:
+    """The values of a decode plan's metadata (page_table int32 ``[batch, max_pages]``, seq_lens int32 ``[batch]``,
+    tokens in each cache, the new one included); None during capture. ValueError naming the first wrong value."""
+    if _capturing(seq_lens):
+        return None
+    lens = seq_lens.tolist()
+    width = page_table.shape[1]
+    pages_needed = 0
+    for b, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"seq_lens[{b}] is {n}; allowed: 0 (a padding row) or more")
+        if n > width * page_size:
+            raise ValueError(f"seq_lens[{b}] is {n}, more than page_table's {width} pages x page size {page_size} "
+                             f"= {width * page_size} tokens; allowed: seq_lens <= page_table.shape[1] * page_size")
+        if max_seq_len is not None and n > max_seq_len:
+            raise ValueError(f"seq_lens[{b}] is {n}, more than max_seq_len={max_seq_len}; allowed: max_seq_len >= "
+                             "every length (or None)")
+    used = [-(-n // page_size) for n in lens]
+    if any(used):
+        rows = page_table[:, :max(used)].tolist()
+        for b, (row, k) in enumerate(zip(rows, used)):
+            for j, page in enumerate(row[:k]):
+                if page < 0:
+                    raise ValueError(f"page_table[{b}, {j}] is {page} (read by seq_lens[{b}]={lens[b]}); allowed: "
+                                     "page ids >= 0")
+                pages_needed = max(pages_needed, page + 1)
+    return Seen(pages_needed=pages_needed)
+
+
+def check_decode_run(seen: Seen, k_cache: torch.Tensor) -> None:
+    """A checked decode plan's run: the caches hold every page the plan's rows read (host ints only)."""
+    if seen.pages_needed is not None and k_cache.shape[0] < seen.pages_needed:
+        raise ValueError(f"page_table reads page {seen.pages_needed - 1} but k_cache/v_cache hold {k_cache.shape[0]} "
+                         f"pages; allowed: page ids < k_cache.shape[0] (${ENV} found this)")
