@@ -456,6 +456,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     slots, run = plan
     if append:
         kvh, d = ks[2], ks[3]
+        check_pages = getattr(run, "check_pages", None)  # ATTNSEL_CHECK_METADATA: before the write, not after
+        if check_pages is not None:
+            check_pages(k_cache)
         k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
         v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
     if sinks is None and not scales:  # q stays [batch, 1, H, D]: the plan's layout is "b1hd"

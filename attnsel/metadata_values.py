@@ -43,8 +43,9 @@ class Seen:
     pages_needed: int | None = None
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def _unreadable(t: torch.Tensor) -> bool:
+    """No values to check: a meta tensor, or a CUDA stream being captured (a copy to the host cannot be captured)."""
+    return t.is_meta or (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _offsets(arg: str, cu: torch.Tensor, longest: int, longest_arg: str) -> int:
@@ -68,21 +69,25 @@ def check_prefill(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_se
                   total_q: int | None, total_k: int | None) -> Seen | None:
     """The values of a prefill plan's metadata (int32 ``[batch + 1]`` offsets; shapes and dtypes already checked);
     None when nothing was checked (during capture). ValueError naming the first wrong value."""
-    if _capturing(cu_seqlens_q):
+    if _unreadable(cu_seqlens_q) or _unreadable(cu_seqlens_k):
         return None
     tq = _offsets("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
     tk = _offsets("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
-    for arg, given, seen, cu in (("total_q", total_q, tq, "cu_seqlens_q"), ("total_k", total_k, tk, "cu_seqlens_k")):
-        if given is not None and given != seen:
-            raise ValueError(f"{arg}={given} but {cu}[-1] is {seen}; allowed: {arg} equal to {cu}[-1] (or None)")
-    return Seen(total_q=tq, total_k=tk)
+    for arg, given, seen, cu, t in (("total_q", total_q, tq, "cu_seqlens_q", "q"),
+                                    ("total_k", total_k, tk, "cu_seqlens_k", "k")):
+        if given is not None and given < seen:  # more tokens than the offsets cover: padding, as FlashAttention
+            raise ValueError(f"{cu}[-1] is {seen}, past {t}'s {given} tokens ({arg}); allowed: offsets within "
+                             f"{t}'s tokens")
+    return Seen(total_q=tq if total_q is None else total_q, total_k=tk if total_k is None else total_k)
 
 
 def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,
-                 page_size: int) -> Seen | None:
+                 page_size: int, window: int | None = None) -> Seen | None:
     """The values of a decode plan's metadata (page_table int32 ``[batch, max_pages]``, seq_lens int32 ``[batch]``,
-    tokens in each cache, the new one included); None during capture. ValueError naming the first wrong value."""
-    if _capturing(seq_lens):
+    tokens in each cache, the new one included); None during capture. ``window``: the spec's sliding window, whose
+    rows read only the pages from the one holding token ``len - window`` (engines free the pages before it, -1).
+    ValueError naming the first wrong value."""
+    if _unreadable(seq_lens) or _unreadable(page_table):
         return None
     lens = seq_lens.tolist()
     width = page_table.shape[1]
@@ -100,7 +105,8 @@ def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: 
     if any(used):
         rows = page_table[:, :max(used)].tolist()
         for b, (row, k) in enumerate(zip(rows, used)):
-            for j, page in enumerate(row[:k]):
+            first = max(0, lens[b] - window) // page_size if window else 0
+            for j, page in enumerate(row[first:k], start=first):
                 if page < 0:
                     raise ValueError(f"page_table[{b}, {j}] is {page} (read by seq_lens[{b}]={lens[b]}); allowed: "
                                      "page ids >= 0")

@@ -529,6 +529,8 @@ def _pages_checked(run: RunFn, seen: metadata_values.Seen) -> RunFn:
         return run(q, k_cache, v_cache, **kwargs)
 
     _keep_current(pages_checked, run)
+    # for a caller that writes into the caches before the run (flash_attn_with_kvcache's new k/v): check first
+    pages_checked.check_pages = lambda k_cache: metadata_values.check_decode_run(seen, k_cache)
     return pages_checked
 
 
@@ -662,7 +664,8 @@ class Selection:
             raise ValueError(f"q_layout: expected 'bhd' ([batch, heads, head_dim]) or 'b1hd' ([batch, 1, heads, "
                              f"head_dim]), got {q_layout!r}")
         check_decode_metadata(page_table, seq_lens, max_seq_len)
-        seen = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size)
+        seen = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size,
+                                                self.spec.sliding_window)
                 if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
         batch = seq_lens.shape[0]
         if context_tokens is not None:

@@ -92,8 +92,8 @@ def test_a_page_id_past_the_cache_is_named_at_run_where_triton_read_past_it_sile
     ([1, 5, 8], [0, 5, 8], 5, 5, {}, r"^cu_seqlens_q\[0\] is 1; allowed: 0 "),
     ([0, 5, 3], [0, 5, 8], 5, 5, {}, r"^cu_seqlens_q decreases at sequence 1 \(5 -> 3\); allowed: non-decreasing"),
     ([0, 5, 8], [0, 5, 8], 5, 4, {}, r"^sequence 0 has 5 tokens by cu_seqlens_k \(0 -> 5\), more than max_seqlen_k=4"),
-    ([0, 5, 8], [0, 5, 8], 5, 5, {"total_q": 9}, r"^total_q=9 but cu_seqlens_q\[-1\] is 8; allowed: total_q equal"),
-    ([0, 5, 8], [0, 5, 9], 5, 5, {"total_k": 8}, r"^total_k=8 but cu_seqlens_k\[-1\] is 9; allowed: total_k equal"),
+    ([0, 5, 9], [0, 5, 8], 5, 5, {"total_q": 8}, r"^cu_seqlens_q\[-1\] is 9, past q's 8 tokens \(total_q\); allowed"),
+    ([0, 5, 8], [0, 5, 9], 5, 5, {"total_k": 8}, r"^cu_seqlens_k\[-1\] is 9, past k's 8 tokens \(total_k\); allowed"),
 ], ids=["q-not-from-0", "q-decreasing", "k-longer-than-max", "total-q", "total-k"])
 def test_every_wrong_prefill_value_is_named(monkeypatch, cu_q, cu_k, max_q, max_k, totals, message):
     monkeypatch.setenv(mv.ENV, "1")
@@ -178,3 +178,55 @@ def test_the_fa_compatible_calls_check_values_too(monkeypatch):
     lens = torch.tensor([20, 30], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"^page_table reads page 7 but k_cache/v_cache hold 4 pages"):
         attnsel.flash_attn_with_kvcache(qd[:, None], kc, vc, cache_seqlens=lens, page_table=table, causal=True)
+
+
+def test_new_kv_past_the_cache_is_refused_before_it_is_written(monkeypatch):
+    """Review finding: flash_attn_with_kvcache wrote the new token (index_copy_ into page 9 of a 4-page cache:
+    IndexError on CPU, a device-side fault on CUDA) before the run's page check."""
+    import attnsel
+
+    monkeypatch.setenv(mv.ENV, "1")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    qd, kc, vc = _decode_tensors(pages=4)
+    before = kc.clone()
+    table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)
+    new = torch.randn(2, 1, 2, 64, **F16)
+    with pytest.raises(ValueError, match=r"^page_table reads page 9 but k_cache/v_cache hold 4 pages"):
+        attnsel.flash_attn_with_kvcache(qd[:, None], kc, vc, k=new, v=new, cache_seqlens=torch.tensor(
+            [20, 20], dtype=torch.int32), page_table=table, causal=True)
+    assert torch.equal(kc, before)
+
+
+def test_pages_before_a_sliding_window_may_be_freed(monkeypatch):
+    """Review finding: engines free the pages a window has left (-1); the check refused them though no kernel reads
+    them. Output equals the unchecked plan's over the full table."""
+    spec = AttentionSpec(4, 2, 64, "fp16", sliding_window=8)
+    phases = {p: PhaseChoice("torch", "explicit", []) for p in ("prefill", "decode")}
+    sel = Selection(spec, phases, "measure", "eager", "off", {}, {})
+    q, kc, vc = _decode_tensors(pages=4)
+    lens = torch.tensor([40, 20], dtype=torch.int32)  # row 0 reads tokens 32..39: page 2 only
+    full = torch.tensor([[0, 1, 2], [3, 1, 0]], dtype=torch.int32)
+    freed = torch.tensor([[-1, -1, 2], [3, 1, -1]], dtype=torch.int32)  # row 1 (tokens 12..19) reads pages 0, 1
+    monkeypatch.setenv(mv.ENV, "1")
+    assert torch.equal(sel.plan_decode(freed, lens)(q, kc, vc), sel.plan_decode(full, lens)(q, kc, vc))
+    with pytest.raises(ValueError, match=r"^page_table\[0, 2\] is -1 \(read by seq_lens\[0\]=40\)"):
+        sel.plan_decode(torch.tensor([[0, 1, -1], [3, 1, 0]], dtype=torch.int32), lens)
+
+
+def test_q_and_k_longer_than_the_offsets_are_padding_as_in_flash_attention(monkeypatch):
+    """Review finding: FA callers pass q with padding tokens past cu_seqlens_q[-1]; the check refused them."""
+    import attnsel
+
+    monkeypatch.setenv(mv.ENV, "1")
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    q, k, v = _prefill_tensors([5, 7, 4])  # 16 tokens, the offsets cover 12
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = attnsel.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)
+    assert (out[:12].float() - _ref_prefill(q[:12], k[:12], v[:12], [5, 7])).abs().max().item() <= 2e-3
+
+
+def test_meta_tensors_are_not_read(monkeypatch):
+    monkeypatch.setenv(mv.ENV, "1")
+    meta = dict(device="meta", dtype=torch.int32)
+    assert mv.check_decode(torch.empty(2, 4, **meta), torch.empty(2, **meta), None, 16) is None
+    assert mv.check_prefill(torch.empty(3, **meta), torch.empty(3, **meta), 4, 4, None, None) is None
