@@ -11,7 +11,6 @@ run). Plans made during CUDA-graph capture are not checked (a copy to the host c
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -29,18 +28,6 @@ def enabled() -> bool:
         return True
     raise ValueError(f"${ENV}={os.environ[ENV]!r}: expected 1/true/yes/on (check plan metadata values, one host copy "
                      "per plan) or 0/false/no/off (trust them, the default)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Seen:
-    """What a checked plan read from its metadata, for the run's host-only comparisons.
-
-    total_q, total_k: prefill token counts (``cu_seqlens_*[-1]``); pages_needed: decode, one more than the largest
-    page id a sequence reads (the caches need at least that many pages)."""
-
-    total_q: int | None = None
-    total_k: int | None = None
-    pages_needed: int | None = None
 
 
 def _unreadable(t: torch.Tensor) -> bool:
@@ -66,9 +53,10 @@ def _offsets(arg: str, cu: torch.Tensor, longest: int, longest_arg: str) -> int:
 
 
 def check_prefill(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                  total_q: int | None, total_k: int | None) -> Seen | None:
-    """The values of a prefill plan's metadata (int32 ``[batch + 1]`` offsets; shapes and dtypes already checked);
-    None when nothing was checked (during capture). ValueError naming the first wrong value."""
+                  total_q: int | None, total_k: int | None) -> tuple[int, int] | None:
+    """The values of a prefill plan's metadata (int32 ``[batch + 1]`` offsets; shapes and dtypes already checked).
+    Returns the token counts the run must hold q and k to (``total_q``/``total_k`` when given, else the last
+    offsets), or None when nothing was read (meta tensors, capture). ValueError naming the first wrong value."""
     if _unreadable(cu_seqlens_q) or _unreadable(cu_seqlens_k):
         return None
     tq = _offsets("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
@@ -78,15 +66,16 @@ def check_prefill(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_se
         if given is not None and given < seen:  # more tokens than the offsets cover: padding, as FlashAttention
             raise ValueError(f"{cu}[-1] is {seen}, past {t}'s {given} tokens ({arg}); allowed: offsets within "
                              f"{t}'s tokens")
-    return Seen(total_q=tq if total_q is None else total_q, total_k=tk if total_k is None else total_k)
+    return (tq if total_q is None else total_q), (tk if total_k is None else total_k)
 
 
 def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,
-                 page_size: int, window: int | None = None) -> Seen | None:
+                 page_size: int, window: int | None = None) -> int | None:
     """The values of a decode plan's metadata (page_table int32 ``[batch, max_pages]``, seq_lens int32 ``[batch]``,
     tokens in each cache, the new one included); None during capture. ``window``: the spec's sliding window, whose
     rows read only the pages from the one holding token ``len - window`` (engines free the pages before it, -1).
-    ValueError naming the first wrong value."""
+    Returns the pages the caches must hold (one more than the largest page id a row reads), or None when nothing
+    was read (meta tensors, capture). ValueError naming the first wrong value."""
     if _unreadable(seq_lens) or _unreadable(page_table):
         return None
     lens = seq_lens.tolist()
@@ -111,11 +100,11 @@ def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: 
                     raise ValueError(f"page_table[{b}, {j}] is {page} (read by seq_lens[{b}]={lens[b]}); allowed: "
                                      "page ids >= 0")
                 pages_needed = max(pages_needed, page + 1)
-    return Seen(pages_needed=pages_needed)
+    return pages_needed
 
 
-def check_decode_run(seen: Seen, k_cache: torch.Tensor) -> None:
+def check_decode_run(pages_needed: int, k_cache: torch.Tensor) -> None:
     """A checked decode plan's run: the caches hold every page the plan's rows read (host ints only)."""
-    if seen.pages_needed is not None and k_cache.shape[0] < seen.pages_needed:
-        raise ValueError(f"page_table reads page {seen.pages_needed - 1} but k_cache/v_cache hold {k_cache.shape[0]} "
+    if k_cache.shape[0] < pages_needed:
+        raise ValueError(f"page_table reads page {pages_needed - 1} but k_cache/v_cache hold {k_cache.shape[0]} "
                          f"pages; allowed: page ids < k_cache.shape[0] (${ENV} found this)")

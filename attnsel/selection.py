@@ -468,11 +468,11 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
 
 
 def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1hd: bool = False,
-                   seen: metadata_values.Seen | None = None) -> RunFn:
+                   pages_needed: int | None = None) -> RunFn:
     """run(q, k_cache, v_cache, **features) with the tensors checked against the spec and plan (no sync). With
     ``b1hd`` q must be ``[batch, 1, heads, head_dim]`` (run takes that layout, natively or through
-    ``viewed_b1hd``). ``seen``: what a value-checked plan read (``ATTNSEL_CHECK_METADATA``): the caches must hold
-    the pages its rows read."""
+    ``viewed_b1hd``). ``pages_needed``: from a value-checked plan (``ATTNSEL_CHECK_METADATA``), the pages the caches
+    must hold."""
     hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
     dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
     plain = not (spec.sinks or spec.kv_dtype)
@@ -511,8 +511,8 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
             _raise_first_non_tensor(device, q=(q, q_shape, dt), k_cache=(k_cache, (None, ps, hk, d), kdt),
                                     v_cache=(v_cache, (None, ps, hk, d), kdt))
             raise
-        if seen is not None:
-            metadata_values.check_decode_run(seen, k_cache)
+        if pages_needed is not None:
+            metadata_values.check_decode_run(pages_needed, k_cache)
         if kwargs or not plain:
             _check_features(spec, kwargs, "decode")
         return run(q, k_cache, v_cache, **kwargs)
@@ -521,16 +521,18 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
     return checked
 
 
-def _pages_checked(run: RunFn, seen: metadata_values.Seen) -> RunFn:
+def _pages_checked(run: RunFn, pages_needed: int) -> RunFn:
     """An unchecked decode run (the FA-compatible calls check the rest) that still holds the caches to the pages its
     value-checked plan reads (``ATTNSEL_CHECK_METADATA``)."""
+    def check_pages(k_cache):
+        metadata_values.check_decode_run(pages_needed, k_cache)
+
     def pages_checked(q, k_cache, v_cache, **kwargs):
-        metadata_values.check_decode_run(seen, k_cache)
+        check_pages(k_cache)
         return run(q, k_cache, v_cache, **kwargs)
 
     _keep_current(pages_checked, run)
-    # for a caller that writes into the caches before the run (flash_attn_with_kvcache's new k/v): check first
-    pages_checked.check_pages = lambda k_cache: metadata_values.check_decode_run(seen, k_cache)
+    pages_checked.check_pages = check_pages  # for a caller that writes into the caches before the run (new k/v)
     return pages_checked
 
 
@@ -632,10 +634,10 @@ class Selection:
         on every call on its own (the FA-compatible functions do): a wrong tensor then reaches the kernel."""
         check_prefill_metadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if metadata_values.enabled():  # opt-in: one host copy per plan (see metadata_values)
-            seen = metadata_values.check_prefill(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
-                                                 total_k)
-            if seen is not None:
-                total_q, total_k = seen.total_q, seen.total_k
+            totals = metadata_values.check_prefill(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                                                   total_k)
+            if totals is not None:
+                total_q, total_k = totals
         n = cu_seqlens_q.shape[0] - 1
         name = self.prefill_backend_for(n, total_q if total_q is not None else n * max_seqlen_q, max_seqlen_q)
         run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -664,9 +666,9 @@ class Selection:
             raise ValueError(f"q_layout: expected 'bhd' ([batch, heads, head_dim]) or 'b1hd' ([batch, 1, heads, "
                              f"head_dim]), got {q_layout!r}")
         check_decode_metadata(page_table, seq_lens, max_seq_len)
-        seen = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size,
-                                                self.spec.sliding_window)
-                if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
+        pages_needed = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size,
+                                                        self.spec.sliding_window)
+                        if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
         batch = seq_lens.shape[0]
         if context_tokens is not None:
             if not _host_int(context_tokens) or context_tokens < 0:
@@ -684,8 +686,8 @@ class Selection:
         if b1hd and not backends.decode_takes_b1hd(backend):
             run = viewed_b1hd(run)
         if not checked:
-            return run if seen is None else _pages_checked(run, seen)
-        return checked_decode(run, self.spec, seq_lens.get_device(), batch, b1hd, seen)
+            return run if pages_needed is None else _pages_checked(run, pages_needed)
+        return checked_decode(run, self.spec, seq_lens.get_device(), batch, b1hd, pages_needed)
 
     def to_json(self) -> dict:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,
