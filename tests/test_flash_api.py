@@ -100,7 +100,8 @@ def test_varlen_with_more_queries_than_keys(monkeypatch, backend, dtype, tol, ca
     lens_q, lens_k = [5, 2, 3, 4, 150], [3, 2, 0, 40, 6]  # the last: 144 queries more than keys, past a key tile
     # (BLOCK_N <= 128): its blind tiles read keys before the sequence (the one before it) when the first tile that
     # every row sees was computed as a negative block
-    q, k, v, cu_q, cu_k = ragged(lens_q, lens_k, 4, 2, 16, dtype, seed=2)
+    d = 64 if backend == "flashinfer" else 16  # FlashInfer serves head_dim 64, 128 and 256
+    q, k, v, cu_q, cu_k = ragged(lens_q, lens_k, 4, 2, d, dtype, seed=2)
     out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal).float().cpu()
     assert torch.isfinite(out).all()
     qs = ks = 0
@@ -110,7 +111,7 @@ def test_varlen_with_more_queries_than_keys(monkeypatch, backend, dtype, tol, ca
             assert got.abs().max().item() == 0
         else:
             ref = reference(q[qs:qs + lq].float().cpu(), k[ks:ks + lk].float().cpu(), v[ks:ks + lk].float().cpu(),
-                            [lq], [lk], 16 ** -0.5, causal=causal)
+                            [lq], [lk], d ** -0.5, causal=causal)
             blind = max(lq - lk, 0) if causal else 0  # queries before the first key
             assert got[:blind].abs().max().item() == 0 if blind else True
             assert (got[blind:] - ref[blind:]).abs().max().item() < tol

@@ -6,6 +6,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attnsel.backends.triton import kernels as K
+from attnsel.backends.triton import tile_d
 
 T = GPUTarget("cuda", 90, 32)
 
@@ -125,6 +126,8 @@ for name, thunk in [
                                               HAS_SINKS=True, FP8=True)),
     ("decode split all fp8", lambda: decode("fp16", "fp8e4nv", WINDOW=128, SOFTCAP=43.3, HAS_SINKS=True, FP8=True)),
     ("decode fp8 operands in words", fp8_operands_in_words),
+    ("prefill head_dim 8", lambda: prefill("bf16", HEAD_DIM=8, BLOCK_D=tile_d(8))),
+    ("decode head_dim 8", lambda: decode("bf16", "bf16", HEAD_DIM=8, BLOCK_D=tile_d(8))),
     ("reduce sinks", lambda: reduce_(HAS_SINKS=True)),
     ("reduce", lambda: reduce_()),
 ]:

@@ -66,12 +66,14 @@ def decode_config(head_dim: int) -> TileConfig:
 
 
 SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
-# A split plan merges in the decode kernel (the last program of each row and KV head to arrive) instead of a second
-# reduce kernel: one launch instead of two (eager host time, one graph node less). Off until validated on the GPU:
-# it passes the interpreter's tests and compiles for sm_90 (tests/triton_compile_check.py), but its ordering across
-# SMs (barrier, acquire-release count, partials read past L1) is only proven by real concurrency
-# (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency; stage ae of scripts/gpu-round6 times it).
-MERGE_IN_DECODE_KERNEL = False
+# An eager run of a split plan merges in the decode kernel (the last program of each row and KV head to arrive)
+# instead of a second reduce kernel: one launch instead of two. H200 2026-12-05 (bench/results/2026-12-05-round12):
+# eager 35-37 us per call instead of 52-55 at host-bound shapes (the launch saved), but under CUDA graphs 1.1-1.9x
+# slower than the reduce kernel (the last program merges its group's heads one after another, where the reduce
+# kernel merges every head in parallel): so a run captured into a graph takes the reduce kernel. Its ordering across
+# SMs (barrier, acquire-release count, partials read past L1) is proven by real concurrency:
+# tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency.
+MERGE_IN_DECODE_KERNEL = True
 MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded up) the in-kernel merge takes
 
 
@@ -156,7 +158,7 @@ class TritonBackend:
         grid = (max(1, math.ceil(max_seqlen_q / cfg.block_m)), spec.num_q_heads, batch)
         scale_in, softcap = _scale_args(spec)
         window = spec.sliding_window or 0
-        block_d = triton_next_pow2(spec.head_dim)
+        block_d = tile_d(spec.head_dim)
         # the kernels read cu + b: contiguous int32 (a column slice of an engine's metadata would be read wrong)
         cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
         upcast = interpreted()
@@ -200,7 +202,7 @@ class TritonBackend:
                if seq_lens.device.type == "cuda" else None)
         splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),
                                                   cfg.block_n, sms)
-        block_d = triton_next_pow2(spec.head_dim)
+        block_d = tile_d(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
         block_s = triton_next_pow2(splits)
@@ -210,14 +212,15 @@ class TritonBackend:
         lens = seq_lens.to(torch.int32).contiguous()  # the kernels read LENS + b
         # the merge holds a [BLOCK_S, BLOCK_D] float32 tile: past 8192 elements (head_dim 256 with 64 splits) the
         # whole decode kernel spills registers (sm_90: 255 registers and a stack, against 146 without): reduce kernel
-        merge = splits > 1 and MERGE_IN_DECODE_KERNEL and block_s * block_d <= MERGE_TILE_MAX
+        # eager runs only (see MERGE_IN_DECODE_KERNEL): a run captured into a CUDA graph takes the reduce kernel
+        merge_ok = splits > 1 and MERGE_IN_DECODE_KERNEL and block_s * block_d <= MERGE_TILE_MAX
         if splits > 1:
             o_part = torch.empty(batch, spec.num_q_heads, splits, block_d, dtype=torch.float32, device=device)
             lse_part = torch.empty(batch, spec.num_q_heads, splits, dtype=torch.float32, device=device)
         else:
             o_part = lse_part = lens  # unused placeholders
         # the merge's arrival counts: zero now, and the last program of each group sets its count back to zero
-        arrived = torch.zeros(batch, spec.num_kv_heads, dtype=torch.int32, device=device) if merge else lens
+        arrived = torch.zeros(batch, spec.num_kv_heads, dtype=torch.int32, device=device) if merge_ok else lens
         if max(o_part.numel(), page_table.numel()) >= 2**31:
             raise ValueError(f"triton decode: batch {batch} x {spec.num_q_heads} heads x {splits} splits or the page "
                              "table passes 2^31 elements (32-bit offsets); use a smaller batch")
@@ -235,6 +238,7 @@ class TritonBackend:
             if q.numel() >= 2**31:  # q [B, H, D] or [B, 1, H, D]: heads at stride(-2), out like q
                 raise ValueError(f"triton decode: q has {q.numel()} elements, past 2^31 (32-bit offsets)")
             out = torch.empty_like(q)
+            merge = merge_ok and not support.capturing(q)
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
             decode_kernel[(batch, spec.num_kv_heads, splits)](
                 q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, arrived, sinks,
@@ -259,6 +263,12 @@ class TritonBackend:
 
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def tile_d(head_dim: int) -> int:
+    """BLOCK_D of the kernels for head_dim: the next power of 2, at least 16 (tl.dot needs K >= 16 when compiled:
+    head_dim 8 failed to compile on the H200, 2026-12-05; the extra columns are masked)."""
+    return max(16, triton_next_pow2(head_dim))
 
 
 BACKEND = TritonBackend()
