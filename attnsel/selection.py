@@ -123,8 +123,10 @@ class DispatchTable:
 
     ``backend_for`` interpolates between timed shapes: where every corner of the box of timed values around a shape
     was timed (per axis the values just below and above it, in log space), each candidate's slowdown (log of its time
-    over the corner's fastest) is interpolated multilinearly in log space and the least wins (within ``TIE``, the
-    nearest corner's choice). A backend that wins one corner and loses badly at the next then does not serve the
+    over the corner's fastest) is interpolated multilinearly in log space and the least wins; within ``TIE`` of it,
+    the candidate whose worst corner is least (H200 round 11: the nearest corner's choice, FA3 in a three-way 1% tie
+    at 91 rows, 5% behind at 128, served 100 rows 1.24x slower than FlashInfer; replayed over rounds 10 and 11 by
+    scripts/replay_dispatch.py, eager decode 185 -> 190 of 200 cells within 3%, graph unchanged). A backend that wins one corner and loses badly at the next then does not serve the
     shapes between them (on the H200: FA3 won batch-16 decode by 0.9% and was 1.24-1.31x slower at batch 12, where
     Triton was within 1% at both batch 8 and 16). Elsewhere (sparse corners, e.g. prefill) the nearest bucket serves.
     """
@@ -226,10 +228,8 @@ class DispatchTable:
         cost = {n: sum(w * self._slowdowns[c][n] for c, w in corners) for n in names}
         best = min(cost.values())
         tied = {n for n, c in cost.items() if c <= best + math.log1p(self.tie) + 1e-12}
-        for corner, _ in sorted(corners, key=lambda cw: -cw[1]):  # the nearest corner's choice, if tied
-            if self._by_key[corner].backend in tied:
-                return self._by_key[corner].backend
-        return min(tied, key=lambda n: (cost[n], self._order.index(n)))
+        worst = {n: max(self._slowdowns[c][n] for c, _ in corners) for n in tied}
+        return min(tied, key=lambda n: (worst[n], cost[n], self._order.index(n)))
 
     def wins(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -1,0 +1,70 @@
+"""Replay the dispatch of recorded `attnsel bench` runs on the CPU: each bench JSON holds the selection's dispatch
+tables (timed buckets) and every cell's measured times, so the dispatch's choice per cell can be recomputed with the
+current lookup rules and scored against the cell's fastest, without a GPU.
+
+Usage: python3 scripts/replay_dispatch.py bench/results/2026-12-04-round11/bench-*.json [...]
+Prints per file and phase: cells within 3% of the fastest, geometric mean and worst ratio, for the recorded choice
+("recorded": what the bench run's code picked) and the current code's ("now"), and the cells where they differ.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attnsel import bench  # noqa: E402
+from attnsel.selection import DispatchTable  # noqa: E402
+from attnsel.spec import AttentionSpec  # noqa: E402
+
+WITHIN = bench.WITHIN
+
+
+def score(ratios: list[float]) -> str:
+    within = sum(r <= 1 + WITHIN for r in ratios)
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    return f"{within}/{len(ratios)} within 3%, geomean {geo:.3f}x, worst {max(ratios):.2f}x"
+
+
+def replay(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    sel = data["selections"][0]
+    spec = AttentionSpec.from_dict(sel["spec"]) if isinstance(sel["spec"], dict) else None
+    if spec is None:
+        first = data["cells"][0]["spec"]
+        spec = AttentionSpec(**first)
+    out = {}
+    for phase in ("prefill", "decode"):
+        table = DispatchTable.from_json(sel["dispatch"][phase])
+        keys = {label: key for label, key, _, _ in bench.shapes(spec, phase, quick=False)}
+        rows = [c for c in data["comparison"] if c["phase"] == phase]
+        times = {}
+        for c in data["cells"]:
+            if c["phase"] == phase and c["us"]:
+                times.setdefault(c["shape"], {})[c["backend"]] = c["us"]
+        recorded, now, changed = [], [], []
+        for r in rows:
+            cell = times[r["shape"]]
+            key = keys[r["shape"]]
+            pick = table.backend_for(key if len(table.axes) > 1 else key[:1])
+            best = min(cell.values())
+            recorded.append(r["selected_ratio"])
+            now.append(cell[pick] / best)
+            if pick != r["selected"]:
+                changed.append(f"{r['shape']}: {r['selected']} {r['selected_ratio']:.2f}x -> {pick} "
+                               f"{cell[pick] / best:.2f}x")
+        out[phase] = (score(recorded), score(now), changed)
+    return out
+
+
+def main(paths: list[str]) -> None:
+    for p in paths:
+        for phase, (rec, now, changed) in replay(Path(p)).items():
+            print(f"{p} {phase}\n  recorded: {rec}\n  now:      {now}")
+            for line in changed:
+                print("   ", line)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
