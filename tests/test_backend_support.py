@@ -4,10 +4,12 @@ A backend must name every spec feature it does not implement (never ignore one),
 of the device it is asked about, not of the current device.
 """
 import importlib.util
+import itertools
 import sys
 import types
 
 import pytest
+
 import torch
 
 import attnsel.backends.support as support
@@ -161,3 +163,17 @@ def test_shared_reasons():
     assert support.dtype_reason(AttentionSpec(4, 2, 64, dtype="fp32")) == "dtype fp32 is not supported (fp16, bf16)"
     assert support.joined([None, "a", "", "b"]) == "a; b" and support.joined([None]) is None
     assert support.capability_reason("9.x", lambda c: True, torch.device("cpu")).startswith("needs a CUDA device")
+
+
+def test_rows_without_keys_are_the_first_queries_of_sequences_with_more_queries_than_keys():
+    """Bottom-right causal alignment: a sequence of lq queries and lk keys leaves its first max(lq - lk, 0) queries
+    before every key (FlashInfer's prefill, which returned something else there, zeroes them as FlashAttention)."""
+    from attnsel.backends.support import rows_without_keys
+
+    lens_q, lens_k = [5, 2, 3, 4, 150], [3, 2, 0, 40, 6]
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)  # noqa: E731
+    rows = rows_without_keys(cu(lens_q), cu(lens_k))
+    expected = [0, 1] + [7, 8, 9] + list(range(14, 14 + 144))
+    assert rows.dtype == torch.int64 and rows.tolist() == expected
+    assert rows_without_keys(cu([3, 1, 4]), cu([3, 5, 4])) is None
+    assert rows_without_keys(cu([]), cu([])) is None

@@ -293,10 +293,10 @@ def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
     """Triton's split decode merges the splits inside the decode kernel when run eagerly (the last program of a row
     and KV head to arrive merges): under real concurrency a merge by a program that is not the last, or before the
     others' stores are visible, reads partials of the previous run. So every run gets a query other than the run
-    before it (8 queries in turn): 200 eager runs, each within one bf16 ulp per element of the plan that merges in
-    a second kernel on the same query (checked against the float32 reference per row): the two merges sum in
-    different orders (H200 2026-12-05: a few elements one ulp apart), while a partial of the previous query is off
-    by the outputs' own size. Then 50 CUDA-graph replays (a new query copied into the captured one, the graph's
+    before it (8 queries in turn): 200 eager runs, each within one bf16 ulp (+ 1e-5) per element of the plan that
+    merges in a second kernel on the same query (checked against the float32 reference per row): the two merges sum
+    in different orders (H200/H100 2026-12-05: a few elements 1-2 ulps apart, the same ones each time a query came
+    round), while a partial of the previous query is off by the outputs' own size (~1e-2). Then 50 CUDA-graph replays (a new query copied into the captured one, the graph's
     output NaN before each replay): a captured run takes the reduce kernel, bitwise equal."""
     import attnsel.backends.triton as tb
     from tests.feature_cases import reference
@@ -337,12 +337,14 @@ def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
     for i in range(200):
         out = run(qs[i % 8], k_cache, v_cache)
         want = expected[i % 8].float()
-        ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(out.float().abs(), want.abs()).clamp(min=2**-126)
-        excess = ((out.float() - want).abs() / ulp).max().item()  # in ulps of the larger magnitude
-        worst = max(worst, excess)
-        if excess > 1.0:
-            bad.append((i, excess, (out != expected[i % 8]).sum().item()))
-    assert not bad, f"eager runs off the reduce kernel's output by more than one ulp (run, ulps, elements): {bad[:8]}"
+        diff = (out.float() - want).abs()
+        # one bf16 ulp of the larger value, and 1e-5 absolute: near-zero outputs (a sum that cancels) differ by
+        # more ulps (H100 2026-12-05: 2 ulps on 2 elements of one query, every time it came round, at 4 x 3000)
+        tol = torch.finfo(torch.bfloat16).eps * torch.maximum(out.float().abs(), want.abs()) + 1e-5
+        worst = max(worst, diff.max().item())
+        if (diff > tol).any():
+            bad.append((i, diff.max().item(), (diff > tol).sum().item()))
+    assert not bad, f"eager runs off the reduce kernel's output (run, max abs difference, elements): {bad[:8]}"
     assert counts[0].abs().sum().item() == 0, "arrival counts not back at 0 after the eager runs"
     static_q = qs[0].clone()
     run(static_q, k_cache, v_cache)  # warm-up before capture
@@ -356,4 +358,4 @@ def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(graph_out, expected[(i + 1) % 8]), f"graph replay {i} differs from the reduce kernel's"
-    _record(spec="split-merge", backend="triton", phase="decode", shape=lens, result="ok", eager_max_ulps=worst)
+    _record(spec="split-merge", backend="triton", phase="decode", shape=lens, result="ok", eager_max_abs_diff=worst)

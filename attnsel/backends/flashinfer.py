@@ -34,6 +34,7 @@ import torch
 from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
+from . import support
 from .support import capability_reason, dtype_reason, feature_reasons, joined
 
 log = logging.getLogger(__name__)
@@ -259,10 +260,12 @@ class FlashInferBackend:
                      spec.num_kv_heads, spec.head_dim, causal=spec.causal, sm_scale=spec.scale,
                      window_left=_window_left(spec), logits_soft_cap=spec.softcap,
                      q_data_type=spec.torch_dtype, kv_data_type=spec.torch_dtype)
+        blind = support.rows_without_keys(cu_seqlens_q, cu_seqlens_k) if spec.causal else None
 
         def call(q, k, v, *, sinks=None):
             _no_sinks(sinks)
-            return wrapper.run(q, k, v)
+            out = wrapper.run(q, k, v)
+            return out.index_fill_(0, blind, 0.0) if blind is not None else out
 
         return self._checked(wrapper, hold, call)
 
@@ -280,9 +283,11 @@ class FlashInferBackend:
                      causal=spec.causal, sm_scale=spec.scale, window_left=_window_left(spec),
                      q_data_type=spec.torch_dtype, kv_data_type=spec.torch_dtype)
         scale = spec.scale
+        blind = support.rows_without_keys(cu_q, cu_k) if spec.causal else None
 
         def call(q, k, v, *, sinks=None):
-            return wrapper.run(q, (k.unsqueeze(1), v.unsqueeze(1)), _sinks_arg(spec, sinks), scale)
+            out = wrapper.run(q, (k.unsqueeze(1), v.unsqueeze(1)), _sinks_arg(spec, sinks), scale)
+            return out.index_fill_(0, blind, 0.0) if blind is not None else out
 
         return self._checked(wrapper, hold, call)
 

@@ -67,3 +67,20 @@ def capturing(t: torch.Tensor) -> bool:
     torch.cuda.graph makes the capturing device current): a plan made now must not read device tensors on the host
     (no sync is allowed during capture), so it plans from host bounds instead."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def rows_without_keys(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor | None:
+    """Causal (bottom-right aligned) ragged attention: the query rows that see no key, as int64 row indices on the
+    metadata's device, or None where there are none (the common case). A sequence with lq queries and lk < lq keys
+    leaves its first lq - lk queries before every key; FlashAttention returns zeros there, FlashInfer's prefill
+    does not (H100, 2026-12-05: tests/test_flash_api.py::test_varlen_with_more_queries_than_keys), so its run
+    zeroes these rows. Reads both offsets on the host (one sync: call it where a plan syncs anyway, never during
+    capture). cu_seqlens_q/k: int32 [batch + 1]."""
+    host = torch.stack((cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64))).cpu()
+    lens = host[:, 1:] - host[:, :-1]
+    blind = (lens[0] - lens[1]).clamp(min=0)
+    if not bool(blind.any()):
+        return None
+    starts = host[0, :-1]
+    rows = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, blind) if n > 0])
+    return rows.to(cu_seqlens_q.device)
