@@ -367,21 +367,11 @@ def test_decode_run_captured_into_a_graph_takes_the_reduce_kernel(monkeypatch):
     """A split plan merges in the decode kernel when run eagerly (one launch), but a run captured into a CUDA graph
     launches the reduce kernel (H200 2026-12-05: the in-kernel merge 1.02-1.9x slower under graphs); both right."""
     import attnsel.backends.support as support
-    import attnsel.backends.triton.kernels as kernels
 
     launches = []
-
-    class Counting:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return self.kernel[grid]
-
+    _counting_reduce(monkeypatch, launches)
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
     monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
-    monkeypatch.setattr(kernels, "decode_reduce_kernel", Counting(kernels.decode_reduce_kernel))
     spec = _spec(page_size=16)
     case = decode_case(spec, CPU, DECODE_LENS)
     run = get("triton").plan_decode(spec, *case.plan_args)
@@ -392,6 +382,68 @@ def test_decode_run_captured_into_a_graph_takes_the_reduce_kernel(monkeypatch):
     captured = run(*case.inputs, **case.kwargs)
     assert len(launches) == 1
     _assert_close(captured, case.ref)
+
+
+def _counting_reduce(monkeypatch, launches):
+    import attnsel.backends.triton.kernels as kernels
+
+    class Counting:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(kernels, "decode_reduce_kernel", Counting(kernels.decode_reduce_kernel))
+
+
+def test_decode_plan_made_during_capture_never_merges_in_the_kernel(monkeypatch):
+    """A plan made while a CUDA graph is captured gets its arrival counts from the graph's pool, zeroed only when
+    the graph first replays: an eager run of it before then would read garbage counts. So such a plan always merges
+    in the reduce kernel, eager runs included, and allocates no counts."""
+    import attnsel.backends.support as support
+
+    launches, int32_zeros = [], []
+    _counting_reduce(monkeypatch, launches)
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros",
+                        lambda *a, **kw: int32_zeros.append(1) if kw.get("dtype") == torch.int32 else None
+                        or real_zeros(*a, **kw))
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    spec = _spec(page_size=16)
+    case = decode_case(spec, CPU, DECODE_LENS)
+    monkeypatch.setattr(support, "capturing", lambda t: True)
+    run = get("triton").plan_decode(spec, *case.plan_args)
+    assert int32_zeros == []
+    monkeypatch.setattr(support, "capturing", lambda t: False)
+    out = run(*case.inputs, **case.kwargs)
+    assert len(launches) == 1
+    _assert_close(out, case.ref)
+
+
+def test_decode_merge_survives_arrival_counts_left_by_overlapping_runs(monkeypatch):
+    """Two runs of one plan that overlap (two streams) can leave a group's arrival count at a multiple of the splits
+    other than 0 (one run's last program subtracts after the other's programs have counted on). The last arrival is
+    found modulo the splits, so every later run still merges; with an equality test none would (no output at all)."""
+    counts = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: (counts.append(real_zeros(*a, **kw)) or counts[-1])
+                        if kw.get("dtype") == torch.int32 else real_zeros(*a, **kw))
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
+    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    spec = _spec(page_size=16)
+    case = decode_case(spec, CPU, DECODE_LENS)
+    run = get("triton").plan_decode(spec, *case.plan_args)
+    (arrived,) = counts
+    _assert_close(run(*case.inputs, **case.kwargs), case.ref)
+    assert torch.equal(arrived, torch.zeros_like(arrived))
+    for left in (3, 6):  # what overlapping runs leave: multiples of the 3 splits
+        arrived.fill_(left)
+        for _ in range(2):
+            _assert_close(run(*case.inputs, **case.kwargs), case.ref)
+            assert torch.equal(arrived, torch.full_like(arrived, left))
 
 
 def test_decode_merge_tile_past_the_limit_takes_the_reduce_kernel(monkeypatch):

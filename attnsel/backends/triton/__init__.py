@@ -68,11 +68,14 @@ def decode_config(head_dim: int) -> TileConfig:
 SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
 # An eager run of a split plan merges in the decode kernel (the last program of each row and KV head to arrive)
 # instead of a second reduce kernel: one launch instead of two. H200 2026-12-05 (bench/results/2026-12-05-round12):
-# eager 35-37 us per call instead of 52-55 at host-bound shapes (the launch saved), but under CUDA graphs 1.1-1.9x
+# eager 35-37 us per call instead of 52-55 at host-bound shapes (the launch saved), but under CUDA graphs 1.02-1.9x
 # slower than the reduce kernel (the last program merges its group's heads one after another, where the reduce
 # kernel merges every head in parallel): so a run captured into a graph takes the reduce kernel. Its ordering across
 # SMs (barrier, acquire-release count, partials read past L1) is tested by real concurrency
-# (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency: passed on an H100, 2026-12-05).
+# (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency: passed on an H100, 2026-12-05). A plan run
+# eagerly and then captured (an engine's warm-up, then its graphs) builds the second decode variant and the reduce
+# kernel during capture: Triton compiles and loads them there without a device call that capture refuses (H100,
+# torch 2.11 + Triton 3.6: tests/test_gpu.py::test_decode_plan_reused_many_times_eager_and_graph passed).
 MERGE_IN_DECODE_KERNEL = True
 MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded up) the in-kernel merge takes
 
@@ -212,8 +215,11 @@ class TritonBackend:
         lens = seq_lens.to(torch.int32).contiguous()  # the kernels read LENS + b
         # the merge holds a [BLOCK_S, BLOCK_D] float32 tile: past 8192 elements (head_dim 256 with 64 splits) the
         # whole decode kernel spills registers (sm_90: 255 registers and a stack, against 146 without): reduce kernel
-        # eager runs only (see MERGE_IN_DECODE_KERNEL): a run captured into a CUDA graph takes the reduce kernel
-        merge_ok = splits > 1 and MERGE_IN_DECODE_KERNEL and block_s * block_d <= MERGE_TILE_MAX
+        # eager runs only (see MERGE_IN_DECODE_KERNEL): a run captured into a CUDA graph takes the reduce kernel.
+        # Not for a plan made during capture either: its zeroed counts would come from the graph's pool, the zeroing
+        # only captured, so an eager run of that plan before the graph's first replay would read garbage counts
+        merge_ok = (splits > 1 and MERGE_IN_DECODE_KERNEL and block_s * block_d <= MERGE_TILE_MAX
+                    and not support.capturing(seq_lens))
         if splits > 1:
             o_part = torch.empty(batch, spec.num_q_heads, splits, block_d, dtype=torch.float32, device=device)
             lse_part = torch.empty(batch, spec.num_q_heads, splits, dtype=torch.float32, device=device)

@@ -268,13 +268,17 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCAL
         if MERGE:
             tl.debug_barrier()  # every thread's stores of this program come before its release below
             count = ARRIVED + b * tl.num_programs(1) + kv_head
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:  # the last one of the group
+            # the last one of the group: its arrival takes the count to a multiple of num_splits. Modulo, not
+            # equality: runs of one plan that overlapped (two streams) can leave the count at a multiple of
+            # num_splits other than 0 (one run's last program subtracts after the other's programs counted on),
+            # which equality would never see again (no merge, garbage, in every later run)
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") % num_splits == num_splits - 1:
                 for g in tl.static_range(GROUP):
                     _merge_head(O, O_part, LSE_part, SINKS, b, kv_head * GROUP + g, num_splits, num_heads,
                                 stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, HEAD_DIM, BLOCK_D, BLOCK_S,
                                 HAS_SINKS)
-                # back to 0 by subtraction, not by a store of 0: a count left off by runs of one plan that
-                # overlapped (two streams) is repaired once they finish, not carried into every later run
+                # down by num_splits, not a store of 0: a store could drop an overlapping run's arrivals; the
+                # count never goes below 0 (each subtraction follows num_splits arrivals) and stays bounded
                 tl.atomic_add(count, -num_splits, sem="relaxed", scope="gpu")
     else:
         if HAS_SINKS:
