@@ -74,8 +74,9 @@ SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs pe
 # SMs (barrier, acquire-release count, partials read past L1) is tested by real concurrency
 # (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency: passed on an H100 and, after the modulo
 # count, on an H200, 2026-12-05). A plan run eagerly and then captured (an engine's warm-up, then its graphs) builds
-# the second decode variant and the reduce kernel during capture: Triton compiles and loads them there without a device call that capture refuses (H100, H200,
-# torch 2.11 + Triton 3.6: tests/test_gpu.py::test_decode_plan_reused_many_times_eager_and_graph passed).
+# the second decode variant and the reduce kernel during capture: Triton compiles and loads them there without a
+# device call that capture refuses (H100, H200, torch 2.11 + Triton 3.6:
+# tests/test_gpu.py::test_decode_plan_reused_many_times_eager_and_graph passed).
 MERGE_IN_DECODE_KERNEL = True
 MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded up) the in-kernel merge takes
 
