@@ -407,9 +407,12 @@ def test_decode_plan_made_during_capture_never_merges_in_the_kernel(monkeypatch)
     launches, int32_zeros = [], []
     _counting_reduce(monkeypatch, launches)
     real_zeros = torch.zeros
-    monkeypatch.setattr(torch, "zeros",
-                        lambda *a, **kw: int32_zeros.append(1) if kw.get("dtype") == torch.int32 else None
-                        or real_zeros(*a, **kw))
+    def zeros(*a, **kw):
+        if kw.get("dtype") == torch.int32:
+            int32_zeros.append(1)
+        return real_zeros(*a, **kw)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
     monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
     spec = _spec(page_size=16)
@@ -424,9 +427,11 @@ def test_decode_plan_made_during_capture_never_merges_in_the_kernel(monkeypatch)
 
 
 def test_decode_merge_survives_arrival_counts_left_by_overlapping_runs(monkeypatch):
-    """Two runs of one plan that overlap (two streams) can leave a group's arrival count at a multiple of the splits
-    other than 0 (one run's last program subtracts after the other's programs have counted on). The last arrival is
-    found modulo the splits, so every later run still merges; with an equality test none would (no output at all)."""
+    """While two runs of one plan overlap (two streams) a group's arrival count passes multiples of the splits
+    other than 0 (one run's last program subtracts after the other's programs have counted on); with an equality
+    test the count would stay at the splits for good and no later run would merge (no output at all). The last
+    arrival is found modulo the splits: a run starting from such a count still merges, and leaves it as it found
+    it."""
     counts = []
     real_zeros = torch.zeros
     monkeypatch.setattr(torch, "zeros", lambda *a, **kw: (counts.append(real_zeros(*a, **kw)) or counts[-1])

@@ -226,7 +226,7 @@ class TritonBackend:
             lse_part = torch.empty(batch, spec.num_q_heads, splits, dtype=torch.float32, device=device)
         else:
             o_part = lse_part = lens  # unused placeholders
-        # the merge's arrival counts: zero now, and the last program of each group sets its count back to zero
+        # the merge's arrival counts: zero now, and the last program of each group takes num_splits off its count
         arrived = torch.zeros(batch, spec.num_kv_heads, dtype=torch.int32, device=device) if merge_ok else lens
         if max(o_part.numel(), page_table.numel()) >= 2**31:
             raise ValueError(f"triton decode: batch {batch} x {spec.num_q_heads} heads x {splits} splits or the page "

@@ -178,7 +178,8 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCAL
     MERGE (with SPLIT): no second kernel. Each program of a (row, KV head) counts itself in ARRIVED (int32
     [batch, kv_heads], zero between runs) after its partial is stored; the one that arrives last merges the group's
     heads (reading the others' partials past L1, which is not coherent across SMs) and takes num_splits off the
-    count (0 again for the next run or graph replay). Without MERGE decode_reduce_kernel merges. Like the split
+    count (0 again for the next eager run; a captured run never merges here). Without MERGE decode_reduce_kernel
+    merges. Like the split
     buffers, the count belongs to the plan: one plan runs on one stream at a time.
     """
     b = tl.program_id(0)
@@ -269,9 +270,10 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCAL
             tl.debug_barrier()  # every thread's stores of this program come before its release below
             count = ARRIVED + b * tl.num_programs(1) + kv_head
             # the last one of the group: its arrival takes the count to a multiple of num_splits. Modulo, not
-            # equality: runs of one plan that overlapped (two streams) can leave the count at a multiple of
-            # num_splits other than 0 (one run's last program subtracts after the other's programs counted on),
-            # which equality would never see again (no merge, garbage, in every later run)
+            # equality: while runs of one plan overlap (two streams) the count passes multiples of num_splits
+            # other than 0 (one run's last program subtracts after the other's programs counted on); with the
+            # modulo each run's last arrival still merges and the count returns to 0, where equality would leave
+            # it at num_splits for good (no merge, garbage, in every later run)
             if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") % num_splits == num_splits - 1:
                 for g in tl.static_range(GROUP):
                     _merge_head(O, O_part, LSE_part, SINKS, b, kv_head * GROUP + g, num_splits, num_heads,
