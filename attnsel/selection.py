@@ -127,8 +127,9 @@ class DispatchTable:
     the candidate whose worst corner is least (H200 round 11: the nearest corner's choice, FA3 in a three-way 1% tie
     at 91 rows, 5% behind at 128, served 100 rows 1.24x slower than FlashInfer; replayed over rounds 10 and 11 by
     scripts/replay_dispatch.py, eager decode 138 -> 142 of 150 cells within 3%, graph unchanged). A backend that
-    wins one corner and loses badly at the next then does not serve the shapes between them (on the H200: FA3 won batch-16 decode by 0.9% and was 1.24-1.31x slower at batch 12, where
-    Triton was within 1% at both batch 8 and 16). Elsewhere (sparse corners, e.g. prefill) the nearest bucket serves.
+    wins one corner and loses badly at the next then does not serve the shapes between them (on the H200: FA3 won
+    batch-16 decode by 0.9% and was 1.24-1.31x slower at batch 12, where Triton was within 1% at both batch 8 and
+    16). Elsewhere (sparse corners, e.g. prefill) the nearest bucket serves.
     """
 
     phase: str
