@@ -179,8 +179,7 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCAL
     [batch, kv_heads], zero between runs) after its partial is stored; the one that arrives last merges the group's
     heads (reading the others' partials past L1, which is not coherent across SMs) and takes num_splits off the
     count (0 again for the next eager run; a captured run never merges here). Without MERGE decode_reduce_kernel
-    merges. Like the split
-    buffers, the count belongs to the plan: one plan runs on one stream at a time.
+    merges. Like the split buffers, the count belongs to the plan: one plan runs on one stream at a time.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
