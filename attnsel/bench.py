@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ RAGGED_DECODE = [100, 3000, 500, 9000, 20, 1500, 700, 4000]
 QUICK_PREFILL = [[400], [5000], [300] * 10, [13, 3000, 777, 1500, 100, 1]]
 QUICK_DECODE = [(1, 700), (12, 3000), (100, 700), RAGGED_DECODE]
 STATIC_PRIORITY = ("fa3", "flashinfer", "triton")  # LightLLM's fixed order
+STRATEGIES = ("selected", "one_backend", "static", "repeat")  # compare()'s verdicts (repeat: with repeats > 1)
 WITHIN = 0.03  # the bench's verdict: a strategy is "within 3%" of a cell's fastest (issue 10's target)
 MAX_KV_BYTES = 16 << 30
 
@@ -58,7 +60,8 @@ class Cell:
     vs_best: float | None = None  # time / fastest time in the cell
     vs_copy: float | None = None  # decode: achieved bandwidth / copy probe
     vs_read: float | None = None  # decode: achieved bandwidth / read-only probe
-    spread: float | None = None  # (max - min) / median of the interleaved samples
+    spread: float | None = None  # (max - min) / median of the interleaved samples (the largest over the passes)
+    passes: list | None = None  # with --repeats > 1: each pass's time (None: an error in that pass); us is their median
 
 
 def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: torch.device) -> dict[str, str]:
@@ -118,10 +121,13 @@ def static_choice(valid: list[str]) -> str | None:
 
 
 def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: bool, device: torch.device,
-             probe: dict, progress) -> tuple[list[Cell], dict, list[tuple]]:
-    """Time the grid; returns the cells, the validity checks and per (phase, mode, shape) what compare() needs."""
-    cells: list[Cell] = []
-    checks, groups = {}, []
+             probe: dict, progress, repeats: int = 1) -> tuple[list[Cell], dict, list[tuple]]:
+    """Time the grid ``repeats`` times (whole passes one after another, so that a cell's passes are tens of seconds
+    apart); a cell's time per backend is the median over the passes (a backend with an error in any pass has no
+    time). Returns the cells, the validity checks and per (phase, mode, shape) what compare() needs."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    checks, plan = {}, []
     for phase in ("prefill", "decode"):
         status = valid_backends(spec, phase, names, device)
         checks[phase] = status
@@ -129,22 +135,39 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
         cands = {n: backends.get(n) for n in runnable}
         for label, key, shape, work in shapes(spec, phase, quick):
             for mode in modes:
-                timed = timing.time_bucket(cands, spec, phase, shape, device, mode, timing.reps_for(mode, device))
-                row = [Cell(spec.to_dict(), phase, label, mode, n, timed["us"].get(n),
-                            work / timed["us"][n] / 1e6 if n in timed["us"] else None,
-                            error=timed["errors"].get(n, ""), spread=timed["spread"].get(n)) for n in runnable]
-                best = min((c.us for c in row if c.us), default=None)
-                for c in row:
-                    if c.us and best:
-                        c.vs_best = c.us / best
-                        if phase == "decode":
-                            c.vs_copy, c.vs_read = c.rate / probe["copy_tbps"], c.rate / probe["read_tbps"]
-                cells.extend(row)
-                if best:
-                    groups.append((phase, mode, label, key, row, runnable))
-                progress(f"{spec.num_q_heads}/{spec.num_kv_heads} d{spec.head_dim} {phase} {label} {mode}: " +
-                         ", ".join(f"{c.backend} {c.us:.1f}us" if c.us else f"{c.backend} error" for c in row))
+                plan.append((phase, mode, label, key, shape, work, runnable, cands))
+    passes: list[list[dict]] = []
+    for p in range(repeats):
+        timed_pass = []
+        for phase, mode, label, key, shape, work, runnable, cands in plan:
+            timed = timing.time_bucket(cands, spec, phase, shape, device, mode, timing.reps_for(mode, device))
+            timed_pass.append(timed)
+            progress(f"{spec.num_q_heads}/{spec.num_kv_heads} d{spec.head_dim} {phase} {label} {mode}"
+                     f"{f' (pass {p + 1} of {repeats})' if repeats > 1 else ''}: " +
+                     ", ".join(f"{n} {timed['us'][n]:.1f}us" if n in timed["us"] else f"{n} error" for n in runnable))
             torch.cuda.empty_cache()
+        passes.append(timed_pass)
+    cells: list[Cell] = []
+    groups = []
+    for i, (phase, mode, label, key, shape, work, runnable, cands) in enumerate(plan):
+        row = []
+        for n in runnable:
+            times = [tp[i]["us"].get(n) for tp in passes]
+            error = next((tp[i]["errors"][n] for tp in passes if tp[i]["errors"].get(n)), "")
+            us = statistics.median(times) if all(times) and not error else None
+            spreads = [tp[i]["spread"][n] for tp in passes if tp[i]["spread"].get(n) is not None]
+            row.append(Cell(spec.to_dict(), phase, label, mode, n, us, work / us / 1e6 if us else None,
+                            error=error, spread=max(spreads, default=None),
+                            passes=times if repeats > 1 else None))
+        best = min((c.us for c in row if c.us), default=None)
+        for c in row:
+            if c.us and best:
+                c.vs_best = c.us / best
+                if phase == "decode":
+                    c.vs_copy, c.vs_read = c.rate / probe["copy_tbps"], c.rate / probe["read_tbps"]
+        cells.extend(row)
+        if best:
+            groups.append((phase, mode, label, key, row, runnable))
     return cells, checks, groups
 
 
@@ -166,6 +189,11 @@ def compare(spec: AttentionSpec, phase: str, mode: str, label: str, key: tuple, 
         cell = by_name.get(name)
         out[strategy] = name
         out[f"{strategy}_ratio"] = cell.vs_best if cell else None
+    repeated = [c for c in by_name.values() if c.passes and len(c.passes) > 1]
+    if repeated and len(repeated) == len(by_name):  # the bench's own verdict, checked by its later passes
+        first = min(repeated, key=lambda c: c.passes[0])
+        later = {c.backend: statistics.median(c.passes[1:]) for c in repeated}
+        out["repeat"], out["repeat_ratio"] = first.backend, later[first.backend] / min(later.values())
     return out
 
 
@@ -176,7 +204,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["spec"], r["phase"], r["mode"]), []).append(r)
     out = []
     for (spec, phase, mode), group in groups.items():
-        for strategy in ("selected", "one_backend", "static"):
+        for strategy in STRATEGIES:
             ratios = [r.get(f"{strategy}_ratio") for r in group if r.get(strategy)]
             ratios = [x for x in ratios if x is not None]
             if not ratios:
@@ -192,7 +220,9 @@ def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dic
              f"read-only {probe['read_tbps']:.2f} TB/s.", "",
              "## Selection vs the fastest backend per cell", "",
              "selected: the dispatch table's choice for the cell; one backend: the selection's headline backend for "
-             "every shape; static: FA3 > FlashInfer > Triton (LightLLM). Within 3%: cells at most 1.03x the fastest.",
+             "every shape; static: FA3 > FlashInfer > Triton (LightLLM); repeat (with --repeats > 1): the first pass's "
+             "fastest judged by the later passes, i.e. how far the bench's own verdict moves between passes. Cell "
+             "times are medians over the passes. Within 3%: cells at most 1.03x the fastest.",
              "", "| spec | phase | mode | strategy | within 3% | geomean | worst |", "|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['spec']} | {s['phase']} | {s['mode']} | {s['strategy']} | {s['within_tie']}/{s['timed']} "
@@ -277,9 +307,10 @@ def _write(path: Path, text: str) -> None:
 
 
 def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, out: str, quick: bool,
-              console: Console) -> int:
+              console: Console, repeats: int = 1) -> int:
     """Bench ``base`` (None: the default specs) over the grid with ``names`` (None: every backend) in ``mode``
-    ("eager", "graph" or "both"), writing bench.md/json/png under ``out``. Needs a CUDA device (RuntimeError)."""
+    ("eager", "graph" or "both"), ``repeats`` passes, writing bench.md/json/png under ``out``. Needs a CUDA device
+    (RuntimeError)."""
     if not torch.cuda.is_available():
         raise RuntimeError("attnsel bench times kernels on a CUDA device; none was found")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -296,7 +327,8 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
     for spec in grid_specs(quick, base):
         # the grid first: its in-process checks build any JIT kernels, so the selections below time a cold
         # selection without JIT builds (with a fresh ATTNSEL_CACHE_DIR)
-        spec_cells, spec_checks, groups = run_grid(spec, names, modes, quick, device, probe, log.info)
+        spec_cells, spec_checks, groups = run_grid(spec, names, modes, quick, device, probe, log.info,
+                                                    repeats)
         cells += spec_cells
         checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
         choices = {}
@@ -319,13 +351,15 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
         props = torch.cuda.get_device_properties(device)
         header = (f"# attnsel bench on {props.name} ({time.strftime('%Y-%m-%d')}), torch {torch.__version__}; times "
                   f"are medians of {timing.REPS_EAGER} (eager) or {timing.REPS} (graph) interleaved CUDA-event samples "
-                  f"per cell (inputs rotated to read from "
+                  f"per cell and pass, {repeats} pass(es), a cell's time the median over its passes (inputs rotated "
+                  "to read from "
                   "HBM; sampled rows of each timed plan's output checked against the float32 reference); ratios are "
                   "within this run")
         _write(out_dir / "bench.md", markdown(cells, probe, rows, summary, header))
         _write(out_dir / "bench.json", json.dumps(
             {"probe": probe, "checks": checks, "cells": [dataclasses.asdict(c) for c in cells], "comparison": rows,
-             "summary": summary, "selections": selections, "wall_s": time.perf_counter() - t0}, indent=1))
+             "summary": summary, "selections": selections, "repeats": repeats, "wall_s": time.perf_counter() - t0},
+            indent=1))
         plot(cells, out_dir / "bench.png")
     table = Table(title=f"attnsel bench ({len(cells)} timings, {time.perf_counter() - t0:.0f} s); time over the "
                         f"cell's fastest; full table in {out_dir / 'bench.md'}", title_justify="left")

@@ -500,11 +500,13 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
         spec_from_args(args)  # bad input is exit 2 on any machine
     for name in args.backends or ():
         _check_backend_choice("--backends", name, allow_auto=False)
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be a whole number of passes, at least 1; got {args.repeats}")
     if not torch.cuda.is_available():
         raise CannotRun("attnsel bench times kernels on a CUDA device; none was found")
     given = any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim"))
     return run_bench(spec_from_args(args) if given else None, args.backends, args.mode, args.out, args.quick,
-                     Console())
+                     Console(), args.repeats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -527,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=(*MODES, "both"), default="both", help="eager launches, CUDA graphs, or both")
     p.add_argument("--out", metavar="DIR", default="bench-out", help="where to write the table and plot")
     p.add_argument("--quick", action="store_true", help="a smaller grid")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="time the whole grid N times; a cell's time is the median over the passes, and the summary "
+                        "adds how often the first pass's fastest stays within 3%% in the later ones (default 1)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("cache", help="show, locate or clear the result cache")
     p.add_argument("action", choices=("show", "path", "clear"))

@@ -266,6 +266,8 @@ def test_bench_without_cuda_exits_3(capsys):
     assert err.strip() == "attnsel: cannot run: attnsel bench times kernels on a CUDA device; none was found"
     code, out, err = run(capsys, "bench", "--num-heads", "0", "--head-dim", "64")  # bad input stays 2
     assert code == 2 and "--num-heads must be a positive integer, got 0" in err
+    code, out, err = run(capsys, "bench", *SMALL, "--repeats", "0")
+    assert code == 2 and "--repeats must be a whole number of passes, at least 1; got 0" in err
 
 
 def test_quiet_after_the_subcommand_and_version(capsys):

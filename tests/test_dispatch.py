@@ -570,6 +570,47 @@ def test_bench_plumbing_on_tiny_cpu_shapes(monkeypatch, tmp_path):
     assert "| ragged 2 (max 17) |" in text and "| 4/2 | decode | eager | selected |" in text
 
 
+def test_bench_repeats_take_the_median_and_check_the_first_pass(monkeypatch):
+    """With repeats, a cell's time is the median over whole passes, an error in any pass removes the backend's time,
+    and the "repeat" verdict judges the first pass's fastest by the later passes (its noise floor)."""
+    from attnsel import bench
+
+    monkeypatch.setattr(bench, "QUICK_PREFILL", [[8]])
+    monkeypatch.setattr(bench, "QUICK_DECODE", [(1, 20)])
+    monkeypatch.setattr(bench, "valid_backends", lambda spec, phase, names, device: {n: "" for n in names})
+    # per pass: (prefill times, decode times); triton is faster in pass 1 and slower in passes 2 and 3
+    script = [({"torch": 10.0, "triton": 9.0}, {"torch": 5.0, "triton": 6.0}),
+              ({"torch": 10.0, "triton": 12.0}, {"torch": 5.0, "triton": None}),
+              ({"torch": 11.0, "triton": 13.0}, {"torch": 7.0, "triton": 6.0})]
+    calls = []
+
+    def fake_time_bucket(cands, spec, phase, shape, device, mode, reps):
+        times = script[len(calls) // 2][0 if phase == "prefill" else 1]
+        calls.append((phase, shape))
+        return {"us": {n: t for n, t in times.items() if t}, "spread": {n: 0.01 for n, t in times.items() if t},
+                "errors": {n: "output wrong" for n, t in times.items() if not t}}
+
+    monkeypatch.setattr(bench.timing, "time_bucket", fake_time_bucket)
+    probe = {"copy_tbps": 1.0, "read_tbps": 1.0}
+    cells, _, groups = bench.run_grid(SPEC, ["torch", "triton"], ["eager"], True, torch.device("cpu"), probe,
+                                      lambda m: None, repeats=3)
+    assert [c[0] for c in calls] == ["prefill", "decode"] * 3  # whole passes, one after another
+    by = {(c.phase, c.backend): c for c in cells}
+    assert by["prefill", "triton"].us == 12.0 and by["prefill", "triton"].passes == [9.0, 12.0, 13.0]
+    assert by["prefill", "torch"].us == 10.0 and by["prefill", "torch"].vs_best == 1.0
+    assert by["decode", "triton"].us is None and by["decode", "triton"].error == "output wrong"
+    assert by["decode", "torch"].us == 5.0
+    rows = [bench.compare(SPEC, *g[:4], g[4], g[5], None) for g in groups]
+    assert rows[0]["fastest"] == "torch" and rows[0]["repeat"] == "triton"
+    assert rows[0]["repeat_ratio"] == pytest.approx(12.5 / 10.5)  # medians of passes 2-3: triton 12.5, torch 10.5
+    assert rows[1]["repeat"] == "torch" and rows[1]["repeat_ratio"] == 1.0  # as every verdict: timed backends only
+    summary = bench.summarise(rows)
+    assert [(s["strategy"], s["within_tie"]) for s in summary if s["phase"] == "prefill"] == [("static", 0),
+                                                                                            ("repeat", 0)]
+    with pytest.raises(ValueError, match="repeats must be at least 1, got 0"):
+        bench.run_grid(SPEC, ["torch"], ["eager"], True, torch.device("cpu"), probe, lambda m: None, repeats=0)
+
+
 # ---- GPU (skipped without CUDA) ----
 
 class Syncing:
