@@ -3,6 +3,8 @@ tables (timed buckets) and every cell's measured times, so the dispatch's choice
 current lookup rules and scored against the cell's fastest, without a GPU.
 
 Usage: python3 scripts/replay_dispatch.py bench/results/2026-12-04-round11/bench-*.json [...]
+       python3 scripts/replay_dispatch.py --passes bench/results/2026-12-05-round14/bench-*.json   (--repeats 2 runs:
+       every strategy judged by each pass and by their median, each pass's fastest judged by the other pass)
 Prints per file and phase: cells within 3% of the fastest, geometric mean and worst ratio, for the recorded choice
 ("recorded": what the bench run's code picked) and the current code's ("now"), and the cells where they differ.
 """
@@ -58,7 +60,33 @@ def replay(path: Path) -> dict:
     return out
 
 
+def passes(paths: list[Path]) -> None:
+    """For benches run with --repeats 2: each strategy judged by pass 1 alone, by pass 2 alone and by their median,
+    and each pass's fastest judged by the other pass (how far the bench agrees with itself)."""
+    tot: dict = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for r in data["comparison"]:
+            cells = {c["backend"]: c for c in data["cells"] if (c["shape"], c["phase"], c["mode"]) ==
+                     (r["shape"], r["phase"], r["mode"]) and c["us"]}
+            if any(not c.get("passes") or len(c["passes"]) != 2 for c in cells.values()):
+                raise SystemExit(f"{path}: --passes needs a bench run with --repeats 2")
+            for judge in ("pass 1", "pass 2", "median"):
+                t = {n: c["us"] if judge == "median" else c["passes"][int(judge[-1]) - 1] for n, c in cells.items()}
+                for strategy in ("selected", "one_backend", "static"):
+                    tot.setdefault((strategy, judge), []).append(t[r[strategy]] / min(t.values()))
+            for a, b in ((0, 1), (1, 0)):
+                first = min(cells, key=lambda n: cells[n]["passes"][a])
+                tot.setdefault((f"pass {a + 1}'s fastest", f"pass {b + 1}"), []).append(
+                    cells[first]["passes"][b] / min(c["passes"][b] for c in cells.values()))
+    for (strategy, judge), ratios in tot.items():
+        print(f"{strategy} judged by {judge}: {score(ratios)}, above 1.10x: {sum(r > 1.10 for r in ratios)}")
+
+
 def main(paths: list[str]) -> None:
+    if paths and paths[0] == "--passes":
+        passes([Path(p) for p in paths[1:]])
+        return
     for p in paths:
         for phase, (rec, now, changed) in replay(Path(p)).items():
             print(f"{p} {phase}\n  recorded: {rec}\n  now:      {now}")
