@@ -2,6 +2,7 @@
 batch size, the cache round trip, the JSON schema, and the checked run functions. No GPU: timings are made by hand
 (the real worker runs once, on the CPU grid)."""
 import json
+import logging
 import math
 import re
 import types
@@ -718,6 +719,22 @@ def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
         select(SPEC)
     with pytest.raises(ValueError, match="budget_s must be a positive number of seconds"):
         select(SPEC, budget_s=0)
+
+
+def test_measure_says_where_the_timing_went(caplog):
+    """Each bucket's wall time is split into its steps and summed per phase: what a selection's cold time is made of
+    (the budget counts it all), logged by the parent with the bucket count."""
+
+    grid = [(0, (1, 16)), (0, (4, 16))]
+    out = timing.measure(SPEC, "decode", ["torch"], torch.device("cpu"), "eager", reps=2, grid=grid)
+    steps = out["steps_s"]
+    assert list(steps) == ["inputs", "plans", "calibration", "samples", "checks", "freeing"]
+    assert all(v >= 0 for v in steps.values()) and 0 < sum(steps.values()) <= out["wall_s"]
+    assert all("wall_s" not in b for b in out["buckets"])  # summed, not stored per bucket
+    with caplog.at_level(logging.INFO, logger=runner.log.name):
+        runner._log_result(("@timing", "decode"), {"status": "timed", "measured": out})
+    assert re.search(r"timed decode on 2 bucket\(s\) in [0-9.]+ s \(inputs [0-9.]+ s, plans [0-9.]+ s, calibration "
+                     r"[0-9.]+ s, samples [0-9.]+ s, checks [0-9.]+ s, freeing [0-9.]+ s\)", caplog.text)
 
 
 def test_plan_metadata_is_checked_before_any_backend_sees_it():

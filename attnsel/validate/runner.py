@@ -363,7 +363,9 @@ def _log_result(key: tuple[str, str], result: dict) -> None:
     name, phase = key
     if result["status"] == "timed":
         measured = result["measured"]
-        log.info("  timed %s on %d bucket(s) in %.1f s", phase, len(measured["buckets"]), measured["wall_s"])
+        steps = measured.get("steps_s") or {}
+        log.info("  timed %s on %d bucket(s) in %.1f s%s", phase, len(measured["buckets"]), measured["wall_s"],
+                 f" ({', '.join(f'{step} {s:.1f} s' for step, s in steps.items())})" if steps else "")
     elif result["status"] == "valid":
         err = result.get("max_abs_err")
         log.info("  %s %s: valid (max abs err %.3g, tolerance %.3g, %.1f s)", name, phase, err,

@@ -441,8 +441,20 @@ def _calibrate(item: _Timed, cursor: int, device: torch.device) -> int:
 def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device: torch.device, mode: str,
                 reps: int) -> dict:
     """Time every candidate on one bucket, interleaved. Returns {"us": {name: median us per call},
-    "spread": {name: (max - min) / median}, "errors": {name: reason}, "sets": n}."""
+    "spread": {name: (max - min) / median}, "errors": {name: reason}, "wall_s": {step: seconds}}: where the
+    bucket's time went (inputs, plans and first runs, calibration, samples, output checks; summed per phase by
+    measure, so that a report can say what a selection's timing cost)."""
+    wall = {}
+    t_step = time.perf_counter()
+
+    def lap(step: str) -> None:
+        nonlocal t_step
+        now = time.perf_counter()
+        wall[step] = wall.get(step, 0.0) + now - t_step
+        t_step = now
+
     plan_args, sets = rotated_workloads(spec, phase, shape, device)
+    lap("inputs")
     prepared: dict[str, _Timed] = {}
     errors: dict[str, str] = {}
     for name, backend in backends_.items():
@@ -452,6 +464,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
         except Exception as exc:
             what = "CUDA graph capture" if mode == "graph" else "plan or first run"
             errors[name] = f"{what} failed: {type(exc).__name__}: {_first_line(exc)}"
+    lap("plans")
     cursor = 0
     for name, item in list(prepared.items()):  # calibrate: a sample lasts at least SAMPLE_S
         try:
@@ -459,6 +472,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
         except Exception as exc:
             errors[name] = f"raised {type(exc).__name__}: {_first_line(exc)}"
             del prepared[name]
+    lap("calibration")
     samples: dict[str, list[float]] = {name: [] for name in prepared}
     order = list(prepared)
     for r in range(reps):
@@ -473,6 +487,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
                 errors[name] = f"raised {type(exc).__name__}: {_first_line(exc)}"
                 del prepared[name]
             cursor += item.repeat
+    lap("samples")
     references: dict = {}  # input set index -> cases.SpotReference, shared by the candidates
     for name, item in list(prepared.items()):  # a fast wrong answer must not win: check what the timed plan computed
         reason = _timed_output_reason(item, spec, phase, plan_args, sets, device, references)
@@ -485,10 +500,12 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
             med = statistics.median(values)
             us[name] = med * 1e6
             spread[name] = (max(values) - min(values)) / med if med > 0 else 0.0
+    lap("checks")
     del prepared, sets
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"us": us, "spread": spread, "errors": errors}
+    lap("freeing")
+    return {"us": us, "spread": spread, "errors": errors, "wall_s": wall}
 
 
 def _timed_output_reason(item: _Timed, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple],
@@ -532,7 +549,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     Buckets go coarse grid first; once ``budget_s`` seconds are spent the remaining buckets are skipped (listed in
     "skipped"), so a tight budget gives a coarser table, never a missing range. Returns a JSON-able dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors"}],
-    "skipped": [labels], "wall_s"}``.
+    "skipped": [labels], "pruned", "wall_s", "steps_s": {step: seconds over the buckets}}``.
     """
     from .. import backends
 
@@ -544,6 +561,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
         grid = ([(lvl, lens) for lvl, lens in prefill_grid(spec, device)] if phase == "prefill"
                 else [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, _free_bytes(device), mode)])
     buckets, skipped, pruned = [], [], {}
+    steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
     coarse: list[dict] = []
     for level, shape in grid:
         if phase == "prefill":
@@ -564,14 +582,23 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
         if pruned and timed["errors"]:  # a timed candidate failed here: the pruned ones may have to serve it
             log.info("%s %s %s: %s failed; timed again with the pruned candidates", phase, spec.describe(), label,
                      ", ".join(timed["errors"]))
+            _add_steps(steps, timed)
             timed = time_bucket({**cands, **{n: backends.get(n) for n in pruned}}, spec, phase, shape, device,
                                 mode, reps)
+        _add_steps(steps, timed)
         buckets.append({"key": list(key), "label": label, **timed})
         if level == 0 and coarse is not None:
             coarse.append(timed)
     return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
             "axes": list(PREFILL_AXES if phase == "prefill" else DECODE_AXES), "reps": reps, "buckets": buckets,
-            "skipped": skipped, "pruned": pruned, "wall_s": time.perf_counter() - t0}
+            "skipped": skipped, "pruned": pruned, "wall_s": time.perf_counter() - t0,
+            "steps_s": steps}
+
+
+def _add_steps(steps: dict[str, float], timed: dict) -> None:
+    """Move a time_bucket result's per-step seconds into the phase's sums."""
+    for step, seconds in timed.pop("wall_s", {}).items():
+        steps[step] = steps.get(step, 0.0) + seconds
 
 
 def prune(coarse: list[dict], names: list[str], factor: float = PRUNE) -> dict[str, float]:
