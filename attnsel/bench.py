@@ -189,29 +189,38 @@ def compare(spec: AttentionSpec, phase: str, mode: str, label: str, key: tuple, 
         cell = by_name.get(name)
         out[strategy] = name
         out[f"{strategy}_ratio"] = cell.vs_best if cell else None
-    repeated = [c for c in by_name.values() if c.passes and len(c.passes) > 1]
-    if repeated and len(repeated) == len(by_name):  # the bench's own verdict, checked by its later passes
-        first = min(repeated, key=lambda c: c.passes[0])
-        later = {c.backend: statistics.median(c.passes[1:]) for c in repeated}
-        out["repeat"], out["repeat_ratio"] = first.backend, later[first.backend] / min(later.values())
+    # the bench's own verdict checked by its later passes: pass 1's fastest (also one that fails later: then it has
+    # no ratio, a miss) against the later passes' medians of the backends timed in all of them
+    first_pass = [c for c in row if c.passes and len(c.passes) > 1 and c.passes[0]]
+    if first_pass:
+        first = min(first_pass, key=lambda c: c.passes[0])
+        later = {c.backend: statistics.median(c.passes[1:]) for c in row
+                 if c.passes and len(c.passes) > 1 and all(c.passes[1:])}
+        out["repeat"] = first.backend
+        out["repeat_ratio"] = later[first.backend] / min(later.values()) if first.backend in later else None
     return out
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per (spec, phase, mode) and strategy: cells within WITHIN of the fastest, geometric mean, worst."""
+    """Per (spec, phase, mode) and strategy: cells within WITHIN of the fastest, geometric mean, worst.
+
+    "timed" counts the cells where the strategy names a backend; a named backend without a time in the cell (it
+    failed there) is a miss ("no_time"), outside the geometric mean and the worst ratio."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["spec"], r["phase"], r["mode"]), []).append(r)
     out = []
     for (spec, phase, mode), group in groups.items():
         for strategy in STRATEGIES:
-            ratios = [r.get(f"{strategy}_ratio") for r in group if r.get(strategy)]
-            ratios = [x for x in ratios if x is not None]
-            if not ratios:
+            named = [r.get(f"{strategy}_ratio") for r in group if r.get(strategy)]
+            ratios = [x for x in named if x is not None]
+            if not named:
                 continue
             out.append({"spec": spec, "phase": phase, "mode": mode, "strategy": strategy, "cells": len(group),
-                        "timed": len(ratios), "within_tie": sum(x <= 1 + WITHIN for x in ratios),
-                        "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)), "worst": max(ratios)})
+                        "timed": len(named), "no_time": len(named) - len(ratios),
+                        "within_tie": sum(x <= 1 + WITHIN for x in ratios),
+                        "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+                        "worst": max(ratios) if ratios else None})
     return out
 
 
@@ -221,12 +230,13 @@ def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dic
              "## Selection vs the fastest backend per cell", "",
              "selected: the dispatch table's choice for the cell; one backend: the selection's headline backend for "
              "every shape; static: FA3 > FlashInfer > Triton (LightLLM); repeat (with --repeats > 1): the first pass's "
-             "fastest judged by the later passes, i.e. how far the bench's own verdict moves between passes. Cell "
-             "times are medians over the passes. Within 3%: cells at most 1.03x the fastest.",
+             "fastest judged by the median of the later passes, i.e. how far the bench's own verdict moves between "
+             "passes (a pass-1 fastest that fails later counts as a miss). Cell times are medians over the passes "
+             "(of two: their mean). Within 3%: cells at most 1.03x the fastest; a pick without a time in its cell "
+             "is a miss.",
              "", "| spec | phase | mode | strategy | within 3% | geomean | worst |", "|---|---|---|---|---|---|---|"]
     for s in summary:
-        lines.append(f"| {s['spec']} | {s['phase']} | {s['mode']} | {s['strategy']} | {s['within_tie']}/{s['timed']} "
-                     f"| {s['geomean']:.3f}x | {s['worst']:.2f}x |")
+        lines.append(f"| {s['spec']} | {s['phase']} | {s['mode']} | {s['strategy']} | " + " | ".join(_totals(s)) + " |")
     lines.append("")
     groups: dict = {}
     for c in cells:
@@ -237,8 +247,9 @@ def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dic
         unit = "TFLOP/s" if phase == "prefill" else "TB/s"
         lines += [f"### {phase}, {mode}: {spec['num_q_heads']}/{spec['num_kv_heads']} heads, d{spec['head_dim']}, "
                   f"{spec['dtype']}, page {spec['page_size']}", "",
-                  "| shape | " + " | ".join(names) + " | fastest | selected | one backend | static |",
-                  "|---" * (len(names) + 5) + "|"]
+                  "| shape | " + " | ".join(names) + " | fastest | " +
+                  " | ".join(x.replace("_", " ") for x in _strategies(rows)) + " |",
+                  "|---" * (len(names) + 2 + len(_strategies(rows))) + "|"]
         sname = f"{spec['num_q_heads']}/{spec['num_kv_heads']}"
         for shape in dict.fromkeys(c.shape for c in group):
             row = {c.backend: c for c in group if c.shape == shape}
@@ -249,15 +260,28 @@ def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dic
                     cols.append("error" if c is not None else "")
                     continue
                 extra = f", {c.vs_read:.0%} of read probe" if phase == "decode" else ""
-                cols.append(f"{c.us:.1f} us ±{(c.spread or 0) * 50:.0f}%, {c.rate:.2f} {unit} ({c.vs_best:.2f}x"
-                            f"{extra})")
+                passes = f" (passes: {' / '.join(f'{t:.1f}' if t else 'error' for t in c.passes)})" if c.passes else ""
+                cols.append(f"{c.us:.1f} us ±{(c.spread or 0) * 50:.0f}%{passes}, {c.rate:.2f} {unit} "
+                            f"({c.vs_best:.2f}x{extra})")
             cmp = next((r for r in rows if (r["spec"], r["phase"], r["mode"], r["shape"]) ==
                         (sname, phase, mode, shape)), {})
-            tail = [_pick(cmp, s) for s in ("selected", "one_backend", "static")]
+            tail = [_pick(cmp, s) for s in _strategies(rows)]
             lines.append(f"| {shape} | " + " | ".join(cols) + f" | {cmp.get('fastest', '')} | " + " | ".join(tail)
                          + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _totals(s: dict) -> tuple[str, str, str]:
+    """A summary row's "within 3%", geomean and worst columns; picks without a time in their cell are named."""
+    missing = f" ({s['no_time']} without a time)" if s.get("no_time") else ""
+    return (f"{s['within_tie']}/{s['timed']}{missing}", f"{s['geomean']:.3f}x" if s["geomean"] else "-",
+            f"{s['worst']:.2f}x" if s["worst"] else "-")
+
+
+def _strategies(rows: list[dict]) -> tuple[str, ...]:
+    """The per-cell columns: repeat only where the bench ran more than one pass."""
+    return STRATEGIES if any("repeat" in r for r in rows) else STRATEGIES[:3]
 
 
 def _pick(row: dict, strategy: str) -> str:
@@ -363,17 +387,16 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
         plot(cells, out_dir / "bench.png")
     table = Table(title=f"attnsel bench ({len(cells)} timings, {time.perf_counter() - t0:.0f} s); time over the "
                         f"cell's fastest; full table in {out_dir / 'bench.md'}", title_justify="left")
-    for col in ("spec", "phase", "mode", "shape", "fastest", "selected", "one backend", "static"):
+    for col in ("spec", "phase", "mode", "shape", "fastest", *(x.replace("_", " ") for x in _strategies(rows))):
         table.add_column(col, no_wrap=True, overflow="ellipsis")
     for r in rows:
         table.add_row(r["spec"], r["phase"], r["mode"], r["shape"], r["fastest"],
-                      *(_pick(r, s) for s in ("selected", "one_backend", "static")))
+                      *(_pick(r, s) for s in _strategies(rows)))
     console.print(table)
     totals = Table(title="within 3% of the fastest / geometric mean / worst", title_justify="left")
     for col in ("spec", "phase", "mode", "strategy", "within 3%", "geomean", "worst"):
         totals.add_column(col, no_wrap=True)
     for s in summary:
-        totals.add_row(s["spec"], s["phase"], s["mode"], s["strategy"], f"{s['within_tie']}/{s['timed']}",
-                       f"{s['geomean']:.3f}x", f"{s['worst']:.2f}x")
+        totals.add_row(s["spec"], s["phase"], s["mode"], s["strategy"], *_totals(s))
     console.print(totals)
     return 0

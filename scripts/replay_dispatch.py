@@ -31,6 +31,8 @@ def score(ratios: list[float]) -> str:
 
 def replay(path: Path) -> dict:
     data = json.loads(path.read_text())
+    if len({json.dumps(c["spec"], sort_keys=True) for c in data["cells"]}) > 1:
+        raise SystemExit(f"{path}: one spec per file (run attnsel bench with spec flags)")
     sel = data["selections"][0]
     spec = AttentionSpec.from_dict(sel["spec"]) if isinstance(sel["spec"], dict) else None
     if spec is None:
@@ -64,16 +66,20 @@ def passes(paths: list[Path]) -> None:
     """For benches run with --repeats 2: each strategy judged by pass 1 alone, by pass 2 alone and by their median,
     and each pass's fastest judged by the other pass (how far the bench agrees with itself)."""
     tot: dict = {}
+    missing = 0
     for path in paths:
         data = json.loads(path.read_text())
         for r in data["comparison"]:
-            cells = {c["backend"]: c for c in data["cells"] if (c["shape"], c["phase"], c["mode"]) ==
-                     (r["shape"], r["phase"], r["mode"]) and c["us"]}
+            cells = {c["backend"]: c for c in data["cells"] if (_spec_label(c["spec"]), c["shape"], c["phase"],
+                     c["mode"]) == (r["spec"], r["shape"], r["phase"], r["mode"]) and c["us"]}
             if any(not c.get("passes") or len(c["passes"]) != 2 for c in cells.values()):
                 raise SystemExit(f"{path}: --passes needs a bench run with --repeats 2")
             for judge in ("pass 1", "pass 2", "median"):
                 t = {n: c["us"] if judge == "median" else c["passes"][int(judge[-1]) - 1] for n, c in cells.items()}
                 for strategy in ("selected", "one_backend", "static"):
+                    if r.get(strategy) not in t:  # no selection, or its pick has no time in the cell
+                        missing += judge == "median"
+                        continue
                     tot.setdefault((strategy, judge), []).append(t[r[strategy]] / min(t.values()))
             for a, b in ((0, 1), (1, 0)):
                 first = min(cells, key=lambda n: cells[n]["passes"][a])
@@ -81,6 +87,13 @@ def passes(paths: list[Path]) -> None:
                     cells[first]["passes"][b] / min(c["passes"][b] for c in cells.values()))
     for (strategy, judge), ratios in tot.items():
         print(f"{strategy} judged by {judge}: {score(ratios)}, above 1.10x: {sum(r > 1.10 for r in ratios)}")
+    if missing:
+        print(f"{missing} strategy pick(s) without a time in their cell (or no selection): left out above")
+
+
+def _spec_label(spec: dict) -> str:
+    """A cell's spec as the bench's comparison rows name it."""
+    return f"{spec['num_q_heads']}/{spec['num_kv_heads']}"
 
 
 def main(paths: list[str]) -> None:

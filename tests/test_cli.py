@@ -270,6 +270,24 @@ def test_bench_without_cuda_exits_3(capsys):
     assert code == 2 and "--repeats must be a whole number of passes, at least 1; got 0" in err
 
 
+def test_bench_hands_its_flags_to_run_bench(capsys, monkeypatch):
+    """The flags reach the bench (its timing needs CUDA: the bench itself is replaced here)."""
+    import torch
+
+    from attnsel import bench
+
+    got = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run_bench", lambda base, names, mode, out, quick, console, repeats:
+                        got.update(base=base, names=names, mode=mode, out=out, quick=quick, repeats=repeats) or 0)
+    code, _, _ = run(capsys, "bench", *SMALL, "--backends", "torch,triton", "--mode", "eager", "--repeats", "3",
+                     "--out", "somewhere")
+    assert code == 0 and got["repeats"] == 3 and got["names"] == ["torch", "triton"] and got["mode"] == "eager"
+    assert got["out"] == "somewhere" and not got["quick"] and got["base"].num_q_heads == 4
+    code, _, _ = run(capsys, "bench", "--quick")
+    assert code == 0 and got["repeats"] == 1 and got["base"] is None and got["quick"]
+
+
 def test_quiet_after_the_subcommand_and_version(capsys):
     code, out, err = run(capsys, "select", *SMALL, "-q", "--policy", "priority")
     assert code == 0 and err == ""  # no progress lines

@@ -579,8 +579,9 @@ def test_bench_repeats_take_the_median_and_check_the_first_pass(monkeypatch):
     monkeypatch.setattr(bench, "QUICK_PREFILL", [[8]])
     monkeypatch.setattr(bench, "QUICK_DECODE", [(1, 20)])
     monkeypatch.setattr(bench, "valid_backends", lambda spec, phase, names, device: {n: "" for n in names})
-    # per pass: (prefill times, decode times); triton is faster in pass 1 and slower in passes 2 and 3
-    script = [({"torch": 10.0, "triton": 9.0}, {"torch": 5.0, "triton": 6.0}),
+    # per pass: (prefill times, decode times); triton is faster in pass 1 and slower in passes 2 and 3 (prefill) or
+    # fails in pass 2 (decode)
+    script = [({"torch": 10.0, "triton": 9.0}, {"torch": 5.0, "triton": 4.0}),
               ({"torch": 10.0, "triton": 12.0}, {"torch": 5.0, "triton": None}),
               ({"torch": 11.0, "triton": 13.0}, {"torch": 7.0, "triton": 6.0})]
     calls = []
@@ -604,10 +605,17 @@ def test_bench_repeats_take_the_median_and_check_the_first_pass(monkeypatch):
     rows = [bench.compare(SPEC, *g[:4], g[4], g[5], None) for g in groups]
     assert rows[0]["fastest"] == "torch" and rows[0]["repeat"] == "triton"
     assert rows[0]["repeat_ratio"] == pytest.approx(12.5 / 10.5)  # medians of passes 2-3: triton 12.5, torch 10.5
-    assert rows[1]["repeat"] == "torch" and rows[1]["repeat_ratio"] == 1.0  # as every verdict: timed backends only
+    # pass 1's fastest failed in a later pass: the verdict names it, without a ratio (a miss, not a quiet 1.00x)
+    assert rows[1]["fastest"] == "torch" and rows[1]["repeat"] == "triton" and rows[1]["repeat_ratio"] is None
     summary = bench.summarise(rows)
-    assert [(s["strategy"], s["within_tie"]) for s in summary if s["phase"] == "prefill"] == [("static", 0),
-                                                                                            ("repeat", 0)]
+    got = {(s["phase"], s["strategy"]): (s["within_tie"], s["timed"], s["no_time"], s["worst"]) for s in summary}
+    assert got == {("prefill", "static"): (0, 1, 0, pytest.approx(1.2)), ("prefill", "repeat"): (0, 1, 0,
+                   pytest.approx(12.5 / 10.5)), ("decode", "static"): (0, 1, 1, None), ("decode", "repeat"): (0, 1, 1,
+                                                                                                        None)}
+    text = bench.markdown(cells, probe, rows, summary, "# header")
+    assert "| 4/2 | decode | eager | repeat | 0/1 (1 without a time) | - | - |" in text
+    assert "12.0 us ±0% (passes: 9.0 / 12.0 / 13.0)" in text and "| fastest | selected | one backend | static | " \
+        "repeat |" in text and "triton (no time)" in text
     with pytest.raises(ValueError, match="repeats must be at least 1, got 0"):
         bench.run_grid(SPEC, ["torch"], ["eager"], True, torch.device("cpu"), probe, lambda m: None, repeats=0)
 
