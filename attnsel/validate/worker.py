@@ -135,8 +135,9 @@ def time_phase(phase: str, spec: AttentionSpec, device: torch.device, job: dict,
         log.error("timing %s raised:\n%s", phase, traceback.format_exc())
         return {"status": "rejected", "reason": f"timing raised {type(exc).__name__}: {exc}",
                 "time_s": time.perf_counter() - t0, "fault": _fault(exc)}
+    counted = measured.get("counted_s", measured["wall_s"])  # what the budget counted (timing.measure)
     result = {"status": "timed", "reason": "", "measured": measured, "time_s": time.perf_counter() - t0,
-              "unspent_s": max(0.0, budget - measured["wall_s"]) if budget is not None else 0.0}
+              "unspent_s": max(0.0, budget - counted) if budget is not None else 0.0}
     errors = [e for b in measured.get("buckets", []) for e in b.get("errors", {}).values()]
     if any(is_oom(e) for e in errors):
         result["fault"] = "oom"
