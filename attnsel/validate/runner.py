@@ -364,7 +364,9 @@ def _log_result(key: tuple[str, str], result: dict) -> None:
     if result["status"] == "timed":
         measured = result["measured"]
         steps = measured.get("steps_s") or {}
-        log.info("  timed %s on %d bucket(s) in %.1f s%s", phase, len(measured["buckets"]), measured["wall_s"],
+        counted = measured.get("counted_s")
+        log.info("  timed %s on %d bucket(s) in %.1f s%s%s", phase, len(measured["buckets"]), measured["wall_s"],
+                 f", {counted:.1f} s of it against the budget" if counted is not None else "",
                  f" ({', '.join(f'{step} {s:.1f} s' for step, s in steps.items())})" if steps else "")
     elif result["status"] == "valid":
         err = result.get("max_abs_err")
