@@ -225,6 +225,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dict], header: str) -> str:
+    strategies = _strategies(rows)
     lines = [header, "", f"Bandwidth probes in this run: copy {probe['copy_tbps']:.2f} TB/s (read + write), "
              f"read-only {probe['read_tbps']:.2f} TB/s.", "",
              "## Selection vs the fastest backend per cell", "",
@@ -248,8 +249,8 @@ def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dic
         lines += [f"### {phase}, {mode}: {spec['num_q_heads']}/{spec['num_kv_heads']} heads, d{spec['head_dim']}, "
                   f"{spec['dtype']}, page {spec['page_size']}", "",
                   "| shape | " + " | ".join(names) + " | fastest | " +
-                  " | ".join(x.replace("_", " ") for x in _strategies(rows)) + " |",
-                  "|---" * (len(names) + 2 + len(_strategies(rows))) + "|"]
+                  " | ".join(x.replace("_", " ") for x in strategies) + " |",
+                  "|---" * (len(names) + 2 + len(strategies)) + "|"]
         sname = f"{spec['num_q_heads']}/{spec['num_kv_heads']}"
         for shape in dict.fromkeys(c.shape for c in group):
             row = {c.backend: c for c in group if c.shape == shape}
@@ -265,7 +266,7 @@ def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dic
                             f"({c.vs_best:.2f}x{extra})")
             cmp = next((r for r in rows if (r["spec"], r["phase"], r["mode"], r["shape"]) ==
                         (sname, phase, mode, shape)), {})
-            tail = [_pick(cmp, s) for s in _strategies(rows)]
+            tail = [_pick(cmp, s) for s in strategies]
             lines.append(f"| {shape} | " + " | ".join(cols) + f" | {cmp.get('fastest', '')} | " + " | ".join(tail)
                          + " |")
         lines.append("")
@@ -387,11 +388,12 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
         plot(cells, out_dir / "bench.png")
     table = Table(title=f"attnsel bench ({len(cells)} timings, {time.perf_counter() - t0:.0f} s); time over the "
                         f"cell's fastest; full table in {out_dir / 'bench.md'}", title_justify="left")
-    for col in ("spec", "phase", "mode", "shape", "fastest", *(x.replace("_", " ") for x in _strategies(rows))):
+    strategies = _strategies(rows)
+    for col in ("spec", "phase", "mode", "shape", "fastest", *(x.replace("_", " ") for x in strategies)):
         table.add_column(col, no_wrap=True, overflow="ellipsis")
     for r in rows:
         table.add_row(r["spec"], r["phase"], r["mode"], r["shape"], r["fastest"],
-                      *(_pick(r, s) for s in _strategies(rows)))
+                      *(_pick(r, s) for s in strategies))
     console.print(table)
     totals = Table(title="within 3% of the fastest / geometric mean / worst", title_justify="left")
     for col in ("spec", "phase", "mode", "strategy", "within 3%", "geomean", "worst"):
