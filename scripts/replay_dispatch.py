@@ -96,9 +96,37 @@ def _spec_label(spec: dict) -> str:
     return f"{spec['num_q_heads']}/{spec['num_kv_heads']}"
 
 
+def drift(a: Path, b: Path) -> None:
+    """Two selections' tables of one spec (bench JSONs of two runs): per bucket timed in both, each candidate's ratio
+    to the bucket's fastest, Triton and torch left out; how far those ratios moved between the runs (median, 90th
+    percentile, largest) and how often run a's winner of a bucket was within 3% in run b."""
+    tables = []
+    for path in (a, b):
+        sel = json.loads(path.read_text())["selections"][0]
+        tables.append({ph: {tuple(bk["key"]): bk["times_us"] for bk in sel["dispatch"][ph]["buckets"]}
+                       for ph in ("prefill", "decode")})
+    for ph in ("prefill", "decode"):
+        ta, tb = tables[0][ph], tables[1][ph]
+        moves, kept = [], []
+        for key in ta.keys() & tb.keys():
+            names = [n for n in ta[key] if n in tb[key] and n not in ("triton", "torch")]
+            if len(names) < 2:
+                continue
+            best_a, best_b = min(ta[key][n] for n in names), min(tb[key][n] for n in names)
+            moves += [abs(math.log(ta[key][n] / best_a * best_b / tb[key][n])) for n in names]
+            kept.append(tb[key][min(names, key=lambda n: ta[key][n])] / best_b)
+        moves.sort()
+        at = lambda f: math.exp(moves[min(len(moves) - 1, int(f * len(moves)))])  # noqa: E731
+        print(f"{ph}: {len(kept)} buckets; ratios moved median {at(0.5):.3f}x, 90th percentile {at(0.9):.3f}x, "
+              f"largest {math.exp(moves[-1]):.2f}x; a's winner within 3% in b: {score(kept)}")
+
+
 def main(paths: list[str]) -> None:
     if paths and paths[0] == "--passes":
         passes([Path(p) for p in paths[1:]])
+        return
+    if paths and paths[0] == "--drift":
+        drift(Path(paths[1]), Path(paths[2]))
         return
     for p in paths:
         for phase, (rec, now, changed) in replay(Path(p)).items():
