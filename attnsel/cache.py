@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -189,19 +190,25 @@ def _dispatch_problem(entry: dict) -> str | None:
     if not isinstance(measured["buckets"], list) or not isinstance(measured["axes"], list):
         return "a dispatch entry whose buckets or axes are not lists"
     pruned = measured.get("pruned", {})
-    if (not isinstance(pruned, dict) or not all(_number_or_none(r) for r in pruned.values())
+    if (not isinstance(pruned, dict) or not all(_number_or_none(r) and r is not None for r in pruned.values())
             or not isinstance(measured.get("skipped", []), list)):
-        return "a dispatch entry whose pruned or skipped candidates are malformed"
+        return "a dispatch entry whose pruned or skipped candidates are malformed (pruned: candidate -> ratio)"
+    if not _number_or_none(measured.get("wall_s")) or not _number_or_none(entry.get("budget_s")):
+        return f"a dispatch entry with wall_s {measured.get('wall_s')!r} or budget_s {entry.get('budget_s')!r}"
     axes = len(measured["axes"])
     for b in measured["buckets"]:
         if not (isinstance(b, dict) and isinstance(b.get("us"), dict) and isinstance(b.get("label"), str)
                 and isinstance(b.get("key"), list) and len(b["key"]) == axes
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in b["key"])
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in b["key"])
                 and all(_number_or_none(t) for t in b["us"].values())
-                and all(isinstance(b.get(f, {}), dict) for f in ("errors", "spread"))):
-            return "a dispatch bucket without us (times), key (one int per axis) and label"
+                and all(isinstance(b.get(f, {}), dict) for f in ("errors", "spread"))
+                and all(_number_or_none(s) for s in b.get("spread", {}).values())):
+            return ("a dispatch bucket without us (times: finite, >= 0, or null), key (one int >= 1 per axis) and "
+                    "label")
     return None
 
 
 def _number_or_none(value) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    """null, or a finite number >= 0 (times, errors, ratios: NaN, Infinity and negatives are hand edits)."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and math.isfinite(value) and value >= 0)

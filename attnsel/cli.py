@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -393,6 +394,20 @@ def _backend_extras(sel: Selection) -> dict[str, dict]:
     return extras
 
 
+def _json_text(data) -> str:
+    """Strict JSON (indented): NaN and infinities, which json.dumps would write as NaN/Infinity, become null."""
+    def finite(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(data), indent=2, allow_nan=False)
+
+
 def cmd_report(args: argparse.Namespace, out: Console) -> int:
     """The report of every layer kind; a kind that cannot be served still shows what was found (exit 3)."""
     kinds = layer_specs_from_args(args)
@@ -407,13 +422,13 @@ def cmd_report(args: argparse.Namespace, out: Console) -> int:
     if args.json:
         if len(kinds) == 1:  # one kind: the object of one selection, as always
             if found[0] is not None:
-                print(json.dumps(report_json(found[0]), indent=2))
+                print(_json_text(report_json(found[0])))
             return code
-        print(json.dumps({"layer_kinds": [
+        print(_json_text({"layer_kinds": [
             {"kind": kind, "layers": layers, "spec": spec.to_dict(),
              **({"error": str(res)} if isinstance(res, SelectionError) else {}),
              **({"selection": report_json(sel)} if sel is not None else {})}
-            for (kind, spec, layers), res, sel in zip(kinds, results, found)]}, indent=2))
+            for (kind, spec, layers), res, sel in zip(kinds, results, found)]}))
         return code
     out = Console()  # fits the terminal (80 columns when not a terminal and COLUMNS is unset)
     for (kind, _, layers), res, sel in zip(kinds, results, found):

@@ -534,19 +534,25 @@ def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.
     """(cache slots of the new tokens or None, run function) of a flash_attn_with_kvcache plan: with new tokens the
     query attends to cache_seqlens + 1 tokens, the last one written at position cache_seqlens.
 
-    Outside capture the plan reads cache_seqlens' extremes on the host once (one sync per plan, i.e. per step: the
-    layers share it): a length past what the page table holds (or below 0) is a ValueError, not a kernel reading
+    Outside capture the plan reads cache_seqlens' extremes and sum on the host once (one sync per plan, i.e. per
+    step: the layers share it): the sum keys the dispatch (the batch's mean context), and a length past what the
+    page table holds (or below 0) is a ValueError, not a kernel reading
     other sequences' pages or, with new tokens, a write over a cached token (the slot would be clamped to the
     table's last page). During capture nothing is read (no sync is allowed); the write stays clamped to the table."""
     capacity = page_table.shape[1] * page_size
+    max_len, context = capacity, None  # during capture: the table's capacity (graph mode keys on the batch alone)
     if not capturing and cache_seqlens.numel():
-        low, high = torch.stack((cache_seqlens.min(), cache_seqlens.max())).tolist()
+        lens64 = cache_seqlens.long()
+        low, high, total = torch.stack((lens64.min(), lens64.max(), lens64.sum())).tolist()
         if low < 0 or high + append > capacity:
             what = (f"page_table {tuple(page_table.shape)} holds {capacity} tokens per sequence ({page_table.shape[1]} "
                     f"pages of {page_size}), too few for {high} cached{' + 1 new' if append else ''} (the largest "
                     "cache_seqlens)" if low >= 0 else f"cache_seqlens holds a negative length {low}")
             raise ValueError(f"attnsel.flash_attn_with_kvcache: {what}; allowed: 0 <= cache_seqlens"
                              f"{' + 1' if append else ''} <= page_table.shape[1] * page_size")
+        # the dispatch's context from the same read: the batch's tokens (each row's new one included), not the
+        # table's width (an engine sizes its table for the longest context it serves)
+        max_len, context = high + append, total + append * cache_seqlens.shape[0]
     if append:
         pos = cache_seqlens.long()
         page = page_table.gather(1, (pos // page_size)[:, None].clamp(max=page_table.shape[1] - 1))[:, 0]
@@ -555,5 +561,5 @@ def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.
     else:
         slots, lens = None, cache_seqlens
     # q and out in FA3's [batch, 1, H, D]: FA3 and Triton take it as it is, other backends get views
-    return slots, sel.plan_decode(page_table, lens, max_seq_len=capacity, q_layout="b1hd",
+    return slots, sel.plan_decode(page_table, lens, max_seq_len=max_len, context_tokens=context, q_layout="b1hd",
                                   checked=False)

@@ -634,12 +634,16 @@ class Selection:
         ``checked=False`` returns the backend's run function itself, for a caller that checks q/k/v against the spec
         on every call on its own (the FA-compatible functions do): a wrong tensor then reaches the kernel."""
         check_prefill_metadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        n = cu_seqlens_q.shape[0] - 1
+        for arg, total in (("total_q", total_q), ("total_k", total_k)):  # q's / k's rows (padding included)
+            if total is not None and (not _host_int(total) or total < 0):  # a tensor would be read: a device sync
+                raise ValueError(f"{arg}: expected None or a non-negative Python int (the rows of "
+                                 f"{arg[-1]}: the batch's tokens), got {total!r}")
         if metadata_values.enabled():  # opt-in: one host copy per plan (see metadata_values)
             totals = metadata_values.check_prefill(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
                                                    total_k)
             if totals is not None:
                 total_q, total_k = totals
-        n = cu_seqlens_q.shape[0] - 1
         name = self.prefill_backend_for(n, total_q if total_q is not None else n * max_seqlen_q, max_seqlen_q)
         run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if not checked:
@@ -861,9 +865,14 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
             continue
         tkeys[phase] = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid])
         hit = cache.get_many([tkeys[phase]]).get(tkeys[phase]) if cache else None
-        if hit and hit.get("measured"):
+        # a table the budget cut short (skipped buckets) is timed again under a larger budget than it had
+        cut_short = hit and hit.get("measured", {}).get("skipped") and budget_s > (hit.get("budget_s") or 0)
+        if hit and hit.get("measured") and not cut_short:
             measured[phase] = hit["measured"]
         else:
+            if cut_short:
+                log.info("timing %s again: its cached table skipped %d bucket(s) under a budget of %s s, this run "
+                         "has %g s", phase, len(hit["measured"]["skipped"]), hit.get("budget_s"), budget_s)
             to_time.append(phase)
     stats = {"spawns": 0, "deaths": 0, "worker_wall_s": 0.0, "worker_peak_rss_mb": None,
              "worker_peak_gpu_mem_mb": None, "timing_wall_s": 0.0}
@@ -947,12 +956,18 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
             elif name in dict(table.pruned):
                 cand.reason = (f"not timed on the finer grid: at least {dict(table.pruned)[name]:.2f}x the fastest in "
                                f"every coarse bucket (its score covers the coarse buckets only)")
-        key = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid])
-        complete = all(any(n in b["us"] for b in done["buckets"]) for n in valid)
+        # keyed like the lookup above: by the candidates valid in the cache, before the outlier rule (applied on
+        # every selection from the cached errors); a candidate the rule rejects is timed with the rest and left
+        # out of the table by build_table, on this run and the next
+        key = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid_names(phase, entries)])
+        # complete: every valid candidate has a time somewhere or its recorded reason for none (a worker that died
+        # before the timing job leaves neither: timed again above, not stored)
+        complete = all(any(n in b["us"] for b in done["buckets"]) or n in errors for n in valid)
         if cache and complete and phase in to_time and not done.get("transient"):  # out of memory: not a fact
             cache.put_many({key: {"kind": "dispatch", "backend": "(dispatch table)", "phase": phase,
                                   "status": f"{len(table.buckets)} buckets", "mode": mode, "spec": spec.to_dict(),
-                                  "device": fp.get("gpu") or "cpu", "candidates": valid, "measured": done}})
+                                  "device": fp.get("gpu") or "cpu", "candidates": valid, "budget_s": budget_s,
+                                  "measured": done}})
     for phase in timed:
         if phase in timing_errors:
             for name in names[phase]:

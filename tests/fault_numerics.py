@@ -18,6 +18,10 @@
   no_softcap, no_sinks, ignore_kv_scale, swap_kv_scale.
 - broken torch (BROKEN_TORCH, named "torch": it replaces the built-in): top_left prefill and old_torch decode;
   torch_copy: the real torch backend under another name.
+- precise / biased (PRECISE_AND_BIASED): decode computed in float32 and rounded once (an error far below torch's);
+  biased adds 0.0362 to one output element of batches of more than one row: within the bf16 tolerance of a
+  4/2-head, d64 spec (0.0379 on the validation cases), but above the outlier limit there (8 x precise's 0.0023 +
+  0.016 = 0.0346), so the cross-candidate outlier rule rejects it; the tests assert both statuses.
 """
 from __future__ import annotations
 
@@ -268,3 +272,22 @@ FEATURE_BUGS = {
 ALL = [OLD_TORCH, STALE_PLAN, SKIP_WORK, WRONG_WHEN_ALONE, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE,
        SCRIBBLE_CACHE, MUTATE_THEN_RAISE, SLOPPY, *FEATURE_BUGS.values()]
 TORCH_COPY = Plugin("torch_copy")  # the torch backend under another name (a fallback next to BROKEN_TORCH)
+
+
+def _precise_decode(bias: float):
+    def plan(spec, page_table, seq_lens):
+        run = TORCH.plan_decode(spec, page_table, seq_lens)
+
+        def precise(q, k_cache, v_cache, **kw):
+            out = run(q.float(), k_cache.float(), v_cache.float(), **kw)
+            if bias and out.shape[0] > 1:
+                out[0, 0, 0] += bias
+            return out.to(q.dtype)
+
+        return precise
+
+    return plan
+
+
+PRECISE_AND_BIASED = [Plugin("precise", plan_decode=_precise_decode(0.0)),
+                      Plugin("biased", plan_decode=_precise_decode(0.0362))]

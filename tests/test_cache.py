@@ -134,11 +134,27 @@ def test_entry_problem_reads_dispatch_entries_as_selection_does():
              "key-text": lambda e: e["measured"]["buckets"][0].update(key=["a", "b"]),
              "errors": lambda e: e["measured"]["buckets"][0].update(errors=[1]),
              "spread": lambda e: e["measured"]["buckets"][0].update(spread=[1]),
-             "us-bool": lambda e: e["measured"]["buckets"][0]["us"].update(torch=True)}
+             "us-bool": lambda e: e["measured"]["buckets"][0]["us"].update(torch=True),
+             # review 2026-12-05: each of these passed, then crashed every run (a null pruned ratio: the report's
+             # format; keys below 1: math.log/sqrt at lookup) or put Infinity into `attnsel report --json`
+             "pruned-null": lambda e: e["measured"].update(pruned={"torch": None}),
+             "pruned-nan": lambda e: e["measured"].update(pruned={"torch": float("nan")}),
+             "key-zero": lambda e: e["measured"]["buckets"][0].update(key=[0, 256]),
+             "key-negative": lambda e: e["measured"]["buckets"][0].update(key=[-4, 256]),
+             "us-inf": lambda e: e["measured"]["buckets"][0]["us"].update(triton=float("inf")),
+             "us-nan": lambda e: e["measured"]["buckets"][0]["us"].update(triton=float("nan")),
+             "us-negative": lambda e: e["measured"]["buckets"][0]["us"].update(triton=-1.0),
+             "spread-nan": lambda e: e["measured"]["buckets"][0]["spread"].update(triton=float("nan")),
+             "wall-inf": lambda e: e["measured"].update(wall_s=float("inf"))}
     for name, edit in edits.items():
         bad = json.loads(json.dumps(good))
         edit(bad)
         assert entry_problem(bad), name
+    for field, value in (("max_abs_err", float("nan")), ("tolerance", float("inf")), ("time_s", -1.0)):
+        entry = {"status": "valid", "reason": "", "max_abs_err": 0.001, "tolerance": 0.01, "time_s": 1.0}
+        assert entry_problem(entry) is None
+        entry[field] = value
+        assert entry_problem(entry), field
 
 
 def test_a_directory_in_place_of_the_results_file_is_a_clear_error(tmp_path):

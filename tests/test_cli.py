@@ -45,6 +45,21 @@ def test_report_json_schema(capsys):
     assert json.loads(out)["cache"] == "hit"
 
 
+def test_report_json_is_strict_json(capsys, monkeypatch):
+    """json.dumps writes float('inf') and NaN as Infinity/NaN, which strict parsers (and other languages) refuse;
+    the report now writes null for them (review, 2026-12-05: a cached time of Infinity reached the output)."""
+    import attnsel.cli as cli
+
+    real = cli.report_json
+    monkeypatch.setattr(cli, "report_json", lambda sel: {**real(sel), "odd": [float("inf"), float("nan"), 1.5]})
+    code, out, _ = run(capsys, "report", *SMALL, "--json", "--policy", "priority")
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    assert code == 0 and json.loads(out, parse_constant=refuse)["odd"] == [None, None, 1.5]
+
+
 def test_report_table_ends_with_the_two_choices(capsys):
     code, out, _ = run(capsys, "report", "--config", LLAMA, "--policy", "priority")
     assert code == 0

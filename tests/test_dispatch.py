@@ -295,6 +295,23 @@ def test_plan_prefill_dispatches_on_seqs_tokens_longest(monkeypatch):
     assert torch.equal(run(q, k, v), ref)  # the check changes nothing
 
 
+@pytest.mark.parametrize("arg,value,allowed", [
+    ("total_q", torch.tensor(9), "a non-negative Python int"), ("total_k", torch.tensor(9), "a non-negative Python int"),
+    ("total_q", -3, "a non-negative Python int"), ("total_q", "9", "a non-negative Python int"),
+    ("total_q", float("nan"), "a non-negative Python int"), ("total_q", True, "a non-negative Python int"),
+    ("total_k", 2.0, "a non-negative Python int"),
+])
+def test_plan_prefill_names_a_bad_total(arg, value, allowed):
+    """total_q / total_k key the dispatch and check the run's token counts: a tensor there was read (a device sync;
+    on a meta tensor a RuntimeError), a negative or impossible count was accepted at plan time and failed only at
+    run time without naming the argument (review, 2026-12-05). A count above sequences x longest stays allowed: q
+    may carry padding rows past the last sequence."""
+    sel = _selection({})
+    cu = cumulative([5, 7], "cpu")
+    with pytest.raises(ValueError, match=rf"^{arg}: expected None or {re.escape(allowed)}"):
+        sel.plan_prefill(cu, cu, 7, 7, **{arg: value})
+
+
 def _prefill_run(total_k=None):
     sel = _selection({})
     cu = cumulative([5, 7], "cpu")
@@ -715,6 +732,41 @@ def test_candidates_validated_by_a_worker_that_died_are_still_timed(monkeypatch,
     assert again.stats["spawns"] == 0 and again.dispatch["decode"].to_json() == table.to_json()
 
 
+def test_a_table_whose_candidate_the_outlier_rule_rejects_is_reused(monkeypatch, tmp_path):
+    """biased passes its own validation but the cross-candidate outlier rule rejects it (applied on every
+    selection, from the cached errors); the table of the others was stored under a key without biased while the
+    lookup asked with it, so every run timed again (review, 2026-12-05). Now the second run is a hit, no worker."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:PRECISE_AND_BIASED")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    spec = AttentionSpec(4, 2, 64, "bf16", page_size=16)
+    kw = dict(budget_s=2, prefill="torch", decode_priority=["precise", "biased", "torch"])
+    first = select(spec, **kw)
+    biased = next(c for c in first.candidates["decode"] if c.name == "biased")
+    assert biased.status == "rejected" and "far above the best candidate's" in biased.reason
+    assert first.dispatch["decode"] is not None and first.stats["spawns"] == 1
+    again = select(spec, **kw)
+    assert again.cache == "hit" and again.stats["spawns"] == 0
+    assert again.dispatch["decode"].to_json() == first.dispatch["decode"].to_json()
+    assert next(c for c in again.candidates["decode"] if c.name == "biased").status == "rejected"
+
+
+def test_a_table_whose_candidate_got_no_time_is_reused_with_its_reason(monkeypatch, tmp_path):
+    """stale_when_timed is valid but wrong in every timed bucket: the table (torch alone timed) is complete in the
+    sense that matters, every missing time has its recorded reason, so it is stored and the next run reuses it
+    (before: never stored, every run spawned a worker and timed again)."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:STALE_WHEN_TIMED")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    spec = AttentionSpec(4, 2, 64, "fp32", page_size=16)
+    kw = dict(budget_s=2, prefill_priority=["stale_when_timed", "torch"], decode="torch")
+    first = select(spec, **kw)
+    stale = next(c for c in first.candidates["prefill"] if c.name == "stale_when_timed")
+    assert stale.reason.startswith("no time in ") and "wrong output" in stale.reason
+    again = select(spec, **kw)
+    assert again.cache == "hit" and again.stats["spawns"] == 0
+    assert next(c for c in again.candidates["prefill"] if c.name == "stale_when_timed").reason == stale.reason
+    assert again.prefill == first.prefill == "torch"
+
+
 def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
     grid = [(0, (1, 16)), (0, (4, 16)), (1, (2, 16))]
     out = timing.measure(SPEC, "decode", ["torch"], torch.device("cpu"), "eager", budget_s=1e-9, reps=1, grid=grid)
@@ -727,6 +779,24 @@ def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
         select(SPEC)
     with pytest.raises(ValueError, match="budget_s must be a positive number of seconds"):
         select(SPEC, budget_s=0)
+
+
+def test_a_table_cut_by_the_budget_is_timed_again_under_a_larger_one(monkeypatch, tmp_path):
+    """A table the budget cut short (skipped buckets) was cached and served to every later run, whatever budget that
+    run had: raising ATTNSEL_TIMING_BUDGET_S changed nothing until `attnsel cache clear` (review, 2026-12-05). Now
+    a run with a larger budget than the one that cut the table times it again; the same or a smaller budget reuses
+    it, and a table without skipped buckets is reused under any budget."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:TORCH_COPY")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    kw = dict(prefill="torch", decode_priority=["torch", "torch_copy"])
+    cut = select(SPEC, budget_s=1e-6, **kw)
+    assert cut.dispatch["decode"].skipped and cut.stats["spawns"] == 1
+    same = select(SPEC, budget_s=1e-6, **kw)
+    assert same.cache == "hit" and same.stats["spawns"] == 0
+    larger = select(SPEC, budget_s=60, **kw)
+    assert larger.cache == "miss" and larger.stats["spawns"] == 1
+    assert not larger.dispatch["decode"].skipped
+    assert select(SPEC, budget_s=1e-6, **kw).cache == "hit"  # the full table serves a smaller budget too
 
 
 def test_measure_says_where_the_timing_went(caplog):

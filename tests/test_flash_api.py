@@ -302,6 +302,35 @@ def test_unsupported_argument_is_named(monkeypatch, func, kwargs, name):
     assert rec.plans == 0
 
 
+def test_kvcache_dispatches_on_the_real_context_not_the_page_tables_width(monkeypatch):
+    """Outside capture the plan reads cache_seqlens on the host anyway (its bounds check): the dispatch takes the
+    batch's mean context from that read. Before, it took the page table's capacity, so an engine that sizes its
+    table for the longest context had every step looked up at the largest timed context (review, 2026-12-05)."""
+    from attnsel.selection import PhaseChoice, Selection, build_table
+    from tests.test_dispatch import Recorder, measured
+
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:RECORDERS")
+    spec = attnsel.AttentionSpec(4, 2, 64, "fp32", page_size=16)
+    cells = {(1, 256): {"rec_a": 1.0, "rec_b": 2.0}, (1, 4096): {"rec_a": 9.0, "rec_b": 2.0},
+             (32, 256): {"rec_a": 1.0, "rec_b": 2.0}, (32, 4096): {"rec_a": 9.0, "rec_b": 2.0}}
+    sel = Selection(spec, {"prefill": PhaseChoice("torch", "explicit", []),
+                           "decode": PhaseChoice("rec_b", "auto", [], build_table(measured("decode", "eager", cells),
+                                                                                  ["rec_a", "rec_b"]))},
+                    "measure", "eager", "off", {}, {})
+    monkeypatch.setattr(flash_api, "selection_for", lambda s, device: sel)
+    kc = torch.randn(600, 16, 2, 64)
+    vc = torch.randn_like(kc)
+    got = []
+    for width, lens in ((2, [20, 7]), (300, [20, 7]), (300, [4000, 3000]), (300, [4000, 20])):
+        table = torch.arange(2 * width, dtype=torch.int32).view(2, width) % 600
+        Recorder.planned.clear()
+        attnsel.flash_attn_with_kvcache(torch.randn(2, 1, 4, 64), kc, vc, page_table=table, causal=True,
+                                        cache_seqlens=torch.tensor(lens, dtype=torch.int32))
+        got.append(Recorder.planned[-1])
+    # short contexts: rec_a whatever the table's width; long: rec_b; one long row among short: their mean (2010)
+    assert got == ["rec_a", "rec_a", "rec_b", "rec_b"]
+
+
 def test_more_than_one_query_token_is_refused(monkeypatch):
     monkeypatch.setattr(flash_api, "selection_for", Recorder())
     with pytest.raises(UnsupportedArgument, match="one query token"):
