@@ -804,22 +804,27 @@ def _usable(entry: dict, mode: str) -> bool:
     return entry["status"] == "valid" and (mode != "graph" or entry.get("graph_capture") == "ok")
 
 
+def _outliers(spec: AttentionSpec, errors: dict[str, float | None]) -> dict[str, str]:
+    """name -> reason for the valid candidates of one phase (``errors``: name -> max abs error, None when unknown)
+    whose error is far above the best's (cases.py's cross-candidate rule)."""
+    from .validate.cases import outlier_reason
+
+    known = {n: e for n, e in errors.items() if e is not None}
+    if len(known) < 2:
+        return {}
+    best = min(known.values())
+    return {n: r for n, e in known.items() if (r := outlier_reason(e, best, spec))}
+
+
 def _reject_outliers(spec: AttentionSpec, names: dict, found: dict) -> None:
     """Reject a valid candidate whose error is far above the best valid candidate's on the same case (cases.py's
     cross-candidate rule). Applied on every selection, never cached: it depends on which candidates ran."""
-    from .validate.cases import outlier_reason
-
     for phase in PHASES:
-        valid = [found[(n, phase)] for n in names[phase] if (n, phase) in found and found[(n, phase)].status == "valid"
-                 and found[(n, phase)].max_abs_err is not None]
-        if len(valid) < 2:
-            continue
-        best = min(c.max_abs_err for c in valid)
-        for cand in valid:
-            reason = outlier_reason(cand.max_abs_err, best, spec)
-            if reason:
-                log.warning("%s %s: rejected: %s", cand.name, phase, reason)
-                cand.status, cand.reason = "rejected", reason
+        valid = {n: found[(n, phase)].max_abs_err for n in names[phase]
+                 if (n, phase) in found and found[(n, phase)].status == "valid"}
+        for name, reason in _outliers(spec, valid).items():
+            log.warning("%s %s: rejected: %s", name, phase, reason)
+            found[(name, phase)].status, found[(name, phase)].reason = "rejected", reason
 
 
 def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode: str, timeout: float | None,
@@ -861,18 +866,22 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
             to_time.append(phase)
             continue
         valid = valid_names(phase, cached)
-        if len(valid) < 2:
-            continue
+        if len(valid) - len(_outliers(spec, {n: cached[keys[(n, phase)]].get("max_abs_err") for n in valid})) < 2:
+            continue  # one candidate (after the outlier rule, as below): no table to time
         tkeys[phase] = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid])
         hit = cache.get_many([tkeys[phase]]).get(tkeys[phase]) if cache else None
-        # a table the budget cut short (skipped buckets) is timed again under a larger budget than it had
-        cut_short = hit and hit.get("measured", {}).get("skipped") and budget_s > (hit.get("budget_s") or 0)
+        # a table the budget cut short (skipped buckets) is timed again when this run's share of the budget is
+        # larger than the one it was timed with (null: no limit; an entry from before budgets were stored: unknown)
+        cut_short = (hit and hit.get("measured", {}).get("skipped")
+                     and ("budget_s" not in hit or hit["budget_s"] is not None
+                          and budget_s / len(timed) > hit["budget_s"] * (1 + 1e-9)))
         if hit and hit.get("measured") and not cut_short:
             measured[phase] = hit["measured"]
         else:
             if cut_short:
-                log.info("timing %s again: its cached table skipped %d bucket(s) under a budget of %s s, this run "
-                         "has %g s", phase, len(hit["measured"]["skipped"]), hit.get("budget_s"), budget_s)
+                log.info("timing %s again: its cached table skipped %d bucket(s) under a budget of %s s, this "
+                         "run's share is at least %g s", phase, len(hit["measured"]["skipped"]), hit.get("budget_s"),
+                         budget_s / len(timed))
             to_time.append(phase)
     stats = {"spawns": 0, "deaths": 0, "worker_wall_s": 0.0, "worker_peak_rss_mb": None,
              "worker_peak_gpu_mem_mb": None, "timing_wall_s": 0.0}
@@ -966,7 +975,9 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
         if cache and complete and phase in to_time and not done.get("transient"):  # out of memory: not a fact
             cache.put_many({key: {"kind": "dispatch", "backend": "(dispatch table)", "phase": phase,
                                   "status": f"{len(table.buckets)} buckets", "mode": mode, "spec": spec.to_dict(),
-                                  "device": fp.get("gpu") or "cpu", "candidates": valid, "budget_s": budget_s,
+                                  "device": fp.get("gpu") or "cpu", "candidates": valid,
+                                  # the phase's share of the budget (null: no limit), what the lookup compares
+                                  "budget_s": share if math.isfinite(share := budget_s / len(to_time)) else None,
                                   "measured": done}})
     for phase in timed:
         if phase in timing_errors:

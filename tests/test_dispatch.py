@@ -799,6 +799,47 @@ def test_a_table_cut_by_the_budget_is_timed_again_under_a_larger_one(monkeypatch
     assert select(SPEC, budget_s=1e-6, **kw).cache == "hit"  # the full table serves a smaller budget too
 
 
+def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
+    """Both phases timed share the budget; the table records the decode phase's share, so a later run that times
+    decode alone under the same total (decode's share doubles) times it again; and an infinite budget ("no
+    limit", capped by the worker) records null, not Infinity, which the cache would read back as malformed and
+    time again on every run (second review, 2026-12-05)."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:TORCH_COPY")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    both = dict(prefill_priority=["torch", "torch_copy"], decode_priority=["torch", "torch_copy"])
+    decode_only = dict(prefill="torch", decode_priority=["torch", "torch_copy"])
+
+    def stored():
+        from attnsel.cache import ResultCache
+        return sorted((e["phase"], e["budget_s"]) for e in ResultCache().entries().values() if e.get("kind") == "dispatch")
+
+    first = select(SPEC, budget_s=2e-6, **both)
+    assert first.dispatch["decode"].skipped and stored() == [("decode", 1e-6), ("prefill", 1e-6)]
+    again = select(SPEC, budget_s=2e-6, **decode_only)
+    assert again.cache == "miss" and again.stats["spawns"] == 1 and ("decode", 2e-6) in stored()
+    assert select(SPEC, budget_s=2e-6, **decode_only).cache == "hit"
+    monkeypatch.setenv("ATTNSEL_TIMING_BUDGET_S", "inf")
+    unlimited = select(SPEC, **decode_only)
+    assert unlimited.cache == "miss" and ("decode", None) in stored()
+    warm = select(SPEC, **decode_only)
+    assert warm.cache == "hit" and warm.stats["spawns"] == 0
+
+
+def test_no_table_is_timed_where_the_outlier_rule_leaves_one_candidate(monkeypatch, tmp_path):
+    """precise and biased both pass their own checks; the outlier rule rejects biased, leaving one candidate and
+    no table. The lookup counted two valid candidates and timed the phase on every run, for a table it then threw
+    away (second review, 2026-12-05). Now a warm run applies the rule first: a hit, no worker."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:PRECISE_AND_BIASED")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    spec = AttentionSpec(4, 2, 64, "bf16", page_size=16)
+    kw = dict(budget_s=2, prefill="torch", decode_priority=["precise", "biased"])
+    first = select(spec, **kw)
+    assert first.decode == "precise" and first.dispatch["decode"] is None
+    assert {c.name: c.status for c in first.candidates["decode"]}["biased"] == "rejected"
+    again = select(spec, **kw)
+    assert again.cache == "hit" and again.stats["spawns"] == 0 and again.decode == "precise"
+
+
 def test_measure_says_where_the_timing_went(caplog):
     """Each bucket's wall time is split into its steps and summed per phase: what a selection's cold time is made of
     (the budget counts it all), logged by the parent with the bucket count."""
