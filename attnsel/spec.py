@@ -16,9 +16,9 @@ DTYPES: dict[DtypeName, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.fl
 # Dtypes of a paged KV cache besides the activation dtype: fp8 e4m3 with per-tensor float32 k/v scales
 # (stored value = real value / scale), as vLLM and SGLang store it.
 KV_DTYPES: dict[KvDtypeName, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
-# Spellings found in Hugging Face configs (`torch_dtype` / `dtype`).
-_HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-              "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+# Spellings found in Hugging Face configs (`torch_dtype` / `dtype`), also accepted by the CLI's --dtype.
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+               "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
 class SpecError(ValueError):
@@ -333,12 +333,12 @@ def _read_fields(config: dict) -> tuple[dict, dict[str, SpecError]]:
     raw_dtype = config.get("torch_dtype") or config.get("dtype")
     if raw_dtype is not None:
         name = str(raw_dtype).replace("torch.", "")
-        if name in _HF_DTYPES:
-            fields["dtype"] = _HF_DTYPES[name]
+        if name in DTYPE_NAMES:
+            fields["dtype"] = DTYPE_NAMES[name]
         else:
             dtype_key = "torch_dtype" if config.get("torch_dtype") else "dtype"
             errors["dtype"] = SpecError(f"config: {dtype_key} {raw_dtype!r} is not supported; allowed: "
-                                        f"{', '.join(sorted(_HF_DTYPES))}", "dtype")
+                                        f"{', '.join(sorted(DTYPE_NAMES))}", "dtype")
     try:
         fields["softmax_scale"] = _read_scale(config)
     except SpecError as exc:

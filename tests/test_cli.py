@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from attnsel import backends
-from attnsel.cli import main
+from attnsel.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "examples" / "configs" / "llama-3-8b.json")
@@ -105,6 +105,19 @@ def test_bad_dtype_is_refused_by_argparse(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.replace("'", "")  # Python versions differ in quoting the choices
     assert "argument --dtype: invalid choice: fp8 (choose from bf16, fp16, fp32)" in err
+
+
+@pytest.mark.parametrize("name, short", [("bfloat16", "bf16"), ("Float16", "fp16"), ("half", "fp16"),
+                                         ("float32", "fp32"), ("bf16", "bf16")])
+def test_dtype_takes_torch_names_as_aliases(name, short):
+    args = build_parser().parse_args(["report", "--num-heads", "4", "--dtype", name])
+    assert args.dtype == short
+
+
+def test_dtype_alias_reaches_the_report(capsys):
+    code, out, err = run(capsys, "report", *SMALL[:-1], "bfloat16", "--policy", "priority", "--json")
+    assert code == 0, err
+    assert json.loads(out)["spec"]["dtype"] == "bf16"
 
 
 def test_a_flag_the_command_does_not_take_is_named_with_that_commands_usage(capsys):
