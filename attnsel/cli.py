@@ -19,7 +19,7 @@ from . import __version__, backends, serve
 from .backends import UnknownBackendError
 from .cache import ResultCache
 from .selection import AUTO, DEFAULT_PRIORITY, MODES, POLICIES, Selection, SelectionError, select
-from .spec import DTYPE_NAMES, DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs
+from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs, short_dtype_name
 
 log = logging.getLogger("attnsel")
 # AttentionSpec field -> its flag; -> its argparse dest
@@ -47,19 +47,13 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def _dtype_name(text: str) -> str:
-    """--dtype's value in our short form: torch's and transformers' names (bfloat16, float16, half, float32) are
-    accepted as aliases; anything else is left for argparse's choices check to refuse with the allowed list."""
-    return DTYPE_NAMES.get(text.lower(), text)
-
-
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model attention shape (from --config, flags override)")
     g.add_argument("--config", metavar="PATH", help="Hugging Face config.json of the model, or its directory")
     g.add_argument("--num-heads", type=int, help="query heads (num_attention_heads)")
     g.add_argument("--num-kv-heads", type=int, help="key/value heads (num_key_value_heads); default: --num-heads")
     g.add_argument("--head-dim", type=int, help="head dimension")
-    g.add_argument("--dtype", type=_dtype_name, choices=list(DTYPES),
+    g.add_argument("--dtype", type=short_dtype_name, choices=list(DTYPES),
                    help="activation dtype (default bf16; bfloat16, float16/half, float32/float also accepted)")
     g.add_argument("--page-size", type=int, help="tokens per KV-cache page (default 16)")
     g.add_argument("--sliding-window", type=int, metavar="W", help="every layer attends to its last W keys")

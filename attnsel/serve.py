@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .selection import Selection, default_device
+from .spec import short_dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="a local transformers model directory (config.json, weights, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="auto",
-                   help="model dtype (default: the config's torch_dtype, else fp32)")
+    p.add_argument("--dtype", type=short_dtype_name, choices=list(DTYPES), default="auto",
+                   help="model dtype (default: the config's torch_dtype, else fp32; bfloat16, float16/half, "
+                        "float32/float also accepted)")
     p.add_argument("--continuous-batching", action="store_true",
                    help="transformers' continuous batching (paged|attnsel on 5.17, attnsel_flash on 5.19 to 5.24, "
                         "attnsel/flash-attn on >= 5.25)")

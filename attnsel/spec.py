@@ -21,6 +21,12 @@ DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32":
                "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
+def short_dtype_name(text: str) -> str:
+    """A dtype named as torch or transformers name it (bfloat16, float16, half, float32, any case) in our short
+    form (bf16, fp16, fp32); any other text unchanged, for the caller's check to refuse with the allowed list."""
+    return DTYPE_NAMES.get(text.lower(), text)
+
+
 class SpecError(ValueError):
     """A spec field or config file is invalid; the message names the field and what is allowed.
 

@@ -114,6 +114,12 @@ def test_dtype_takes_torch_names_as_aliases(name, short):
     assert args.dtype == short
 
 
+def test_serve_dtype_takes_the_same_aliases():
+    args = build_parser().parse_args(["serve", "/nonexistent", "--dtype", "BFloat16"])
+    assert args.dtype == "bf16"
+    assert build_parser().parse_args(["serve", "/nonexistent"]).dtype == "auto"
+
+
 def test_dtype_alias_reaches_the_report(capsys):
     code, out, err = run(capsys, "report", *SMALL[:-1], "bfloat16", "--policy", "priority", "--json")
     assert code == 0, err
