@@ -282,3 +282,37 @@ def test_step_plans_make_a_replaced_plan_again():
     for layer, kind in enumerate(["global", "sliding", "global", "global", "sliding"]):
         assert steps.get(layer, kind, make(kind), cuda)() == kind
     assert made == ["global", "sliding", "global", "sliding"]  # layer 3 reused layer 2's plan
+
+
+@pytest.mark.parametrize("how", ["config", "argument"])
+def test_non_causal_call_without_mask_is_handed_back_bidirectional(saved, how):
+    """A non-causal call (config.is_causal False, or is_causal=False passed down) with no attention mask is handed
+    back, and transformers' path must then attend both ways, as the sdpa model does (it was computed as causal)."""
+    cls, path = saved("llama")
+    ref, ours = dense_pair(cls, path)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]])
+    extra = {"is_causal": False} if how == "argument" else {}
+    if how == "config":
+        for m in (ref, ours):
+            m.config.is_causal = False
+            for layer in m.model.layers:
+                layer.self_attn.is_causal = False
+    with torch.no_grad():
+        got = ours(input_ids=ids, use_cache=False, **extra).logits
+        expected = ref(input_ids=ids, use_cache=False, **extra).logits
+        causal = ref(input_ids=ids, use_cache=False).logits if how == "argument" else None
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    if causal is not None:  # the argument really changes the answer (else the test would prove nothing)
+        assert (expected - causal).abs().max() > 1e-2
+    assert list(hf.fallbacks()) == ["non-causal attention"]
+
+
+def test_attention_mask_of_another_batch_size_is_refused(saved):
+    """A [1, S] mask for a batch of 2 left row 1 without queries (its output silently zero): a clear error now."""
+    cls, path = saved("llama")
+    _, ours = dense_pair(cls, path)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    for rows in (1, 3):
+        with torch.no_grad(), pytest.raises(ValueError, match=rf"attention mask of shape \[{rows}, 4\] for a batch "
+                                                             r"of 2, .*expected \[2, n\]"):
+            ours(input_ids=ids, attention_mask=torch.ones(rows, 4, dtype=torch.long), use_cache=False)

@@ -187,6 +187,13 @@ def select_for_model(model, page_size: int = DENSE_PAGE_SIZE) -> Selection | Non
 
 # --- what a call asks for -------------------------------------------------------------------------------------------
 
+def _is_causal(module, kwargs: dict) -> bool:
+    """The call's causality as transformers' attention functions read it: ``is_causal`` passed down, else the
+    module's attribute (default causal)."""
+    causal = kwargs.get("is_causal")
+    return not (causal is False or (causal is None and getattr(module, "is_causal", True) is False))
+
+
 def _call_spec(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, dropout: float,
                kwargs: dict, page_size: int, plumbing: frozenset = frozenset()) -> tuple[Selection | None, str]:
     """(selection, "") when attnsel serves this call exactly, else (None, the reason). Remembered per module and
@@ -196,8 +203,7 @@ def _call_spec(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             return None, f"argument {name}={_short(val)} (not implemented by attnsel)"
     if kwargs.get("output_attentions"):
         return None, "output_attentions=True (attention weights)"
-    causal = kwargs.get("is_causal")
-    if causal is False or (causal is None and getattr(module, "is_causal", True) is False):
+    if not _is_causal(module, kwargs):
         return None, "non-causal attention"
     if dropout and module.training:
         return None, f"attention dropout {dropout} in training"
@@ -288,11 +294,14 @@ def _transformers_attention(module, kwargs: dict):
 
 def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, reason):
     """The call computed by transformers: its SDPA or the model's eager attention, on the 4D mask transformers'
-    own builders make from the 2D key mask (same padding, causal and sliding-window pattern)."""
+    own builders make from the 2D key mask (same padding, sliding window, and causal or, for a non-causal call,
+    bidirectional pattern)."""
     from transformers.masking_utils import (
+        bidirectional_mask_function,
         causal_mask_function,
         eager_mask,
         sdpa_mask,
+        sliding_window_bidirectional_mask_function,
         sliding_window_causal_mask_function,
     )
 
@@ -305,7 +314,10 @@ def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout,
             mask = torch.where(mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
     else:
         n = len_kv if attention_mask is None else attention_mask.shape[1]
-        pattern = causal_mask_function if not window else sliding_window_causal_mask_function(window)
+        if _is_causal(module, kwargs):
+            pattern = causal_mask_function if not window else sliding_window_causal_mask_function(window)
+        else:
+            pattern = bidirectional_mask_function if not window else sliding_window_bidirectional_mask_function(window)
         build = eager_mask if float_mask else sdpa_mask
         mask = build(batch_size=batch, q_length=len_q, kv_length=len_kv, q_offset=n - len_q, kv_offset=0,
                      mask_function=pattern, attention_mask=None if attention_mask is None else attention_mask.bool(),
@@ -456,9 +468,10 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window,
                                "a 4D attention mask (a custom mask, or a mask pattern attnsel does not serve: chunked, "
                                "packed sequences, bidirectional, overlays)")
-    if attention_mask is not None and (attention_mask.dim() != 2 or not len_q <= attention_mask.shape[1] <= len_kv):
-        raise ValueError(f"{NAME}: attention mask of shape {list(attention_mask.shape)} for {len_q} queries and "
-                         f"{len_kv} keys; expected [batch, n] with {len_q} <= n <= {len_kv}")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != batch
+                                       or not len_q <= attention_mask.shape[1] <= len_kv):
+        raise ValueError(f"{NAME}: attention mask of shape {list(attention_mask.shape)} for a batch of {batch}, "
+                         f"{len_q} queries and {len_kv} keys; expected [{batch}, n] with {len_q} <= n <= {len_kv}")
     if mask_window != window:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, mask_window,
                                f"the mask's sliding window ({mask_window}) differs from the layer's ({window})")
