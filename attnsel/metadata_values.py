@@ -55,8 +55,9 @@ def _offsets(arg: str, cu: torch.Tensor, longest: int, longest_arg: str) -> int:
 def check_prefill(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                   total_q: int | None, total_k: int | None) -> tuple[int, int] | None:
     """The values of a prefill plan's metadata (int32 ``[batch + 1]`` offsets; shapes and dtypes already checked).
-    Returns the token counts the run must hold q and k to (``total_q``/``total_k`` when given, else the last
-    offsets), or None when nothing was read (meta tensors, capture). ValueError naming the first wrong value."""
+    Returns the last offsets (q's and k's tokens in sequences: the run's q and k must hold at least that many rows,
+    exactly ``total_q``/``total_k`` when given), or None when nothing was read (meta tensors, capture). ValueError
+    naming the first wrong value."""
     if _unreadable(cu_seqlens_q) or _unreadable(cu_seqlens_k):
         return None
     tq = _offsets("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
@@ -66,7 +67,7 @@ def check_prefill(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_se
         if given is not None and given < seen:  # more tokens than the offsets cover: padding, as FlashAttention
             raise ValueError(f"{cu}[-1] is {seen}, past {t}'s {given} tokens ({arg}); allowed: offsets within "
                              f"{t}'s tokens")
-    return (tq if total_q is None else total_q), (tk if total_k is None else total_k)
+    return tq, tk
 
 
 def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,

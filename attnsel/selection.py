@@ -425,9 +425,10 @@ def _raise_first_non_tensor(device: int, **args: tuple) -> None:
 
 
 def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
-                    total_k: int | None) -> RunFn:
+                    total_k: int | None, seen: tuple[int, int] | None = None) -> RunFn:
     """run(q, k, v, **features) with the tensors checked against the spec and plan: host metadata only, no sync.
-    ``device``: the plan's device index (-1: CPU)."""
+    ``device``: the plan's device index (-1: CPU). ``seen``: the last offsets a value-checked plan read
+    (``ATTNSEL_CHECK_METADATA``): q and k must hold at least that many rows (rows after them are padding)."""
     hq, hk, d, dt = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.torch_dtype
     plain = not spec.sinks
 
@@ -453,6 +454,12 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
                 tv = -1
             if tv != tk or v1 != k1 or v2 != k2 or v.dtype is not dt or v.get_device() != device:
                 raise _expect("v", v, (tk, hk, d), dt, device)
+            if seen is not None:
+                for arg, rows, least in (("q", tq, seen[0]), ("k", tk, seen[1])):
+                    if rows < least:
+                        raise ValueError(f"{arg} has {rows} tokens but cu_seqlens_{arg}[-1] is {least} "
+                                         f"(${metadata_values.ENV} found this); allowed: at least cu_seqlens_{arg}"
+                                         f"[-1] rows (rows after it are padding)")
             if (d > 1 and not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # the cheap common case
                     and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1)):
                 _check_unit_stride(q=q, k=k, v=v)
@@ -639,16 +646,16 @@ class Selection:
             if total is not None and (not _host_int(total) or total < 0):  # a tensor would be read: a device sync
                 raise ValueError(f"{arg}: expected None or a non-negative Python int (the rows of "
                                  f"{arg[-1]}: the batch's tokens), got {total!r}")
+        seen = None
         if metadata_values.enabled():  # opt-in: one host copy per plan (see metadata_values)
-            totals = metadata_values.check_prefill(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
-                                                   total_k)
-            if totals is not None:
-                total_q, total_k = totals
-        name = self.prefill_backend_for(n, total_q if total_q is not None else n * max_seqlen_q, max_seqlen_q)
+            seen = metadata_values.check_prefill(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                                                 total_k)
+        tokens = total_q if total_q is not None else seen[0] if seen else n * max_seqlen_q
+        name = self.prefill_backend_for(n, tokens, max_seqlen_q)
         run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if not checked:
             return run
-        return checked_prefill(run, self.spec, cu_seqlens_q.get_device(), total_q, total_k)
+        return checked_prefill(run, self.spec, cu_seqlens_q.get_device(), total_q, total_k, seen)
 
     def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None,
                     context_tokens: int | None = None, *, q_layout: str = "bhd", checked: bool = True) -> RunFn:

@@ -103,15 +103,20 @@ def test_every_wrong_prefill_value_is_named(monkeypatch, cu_q, cu_k, max_q, max_
 
 
 def test_a_checked_prefill_plan_holds_q_and_k_to_the_offsets_token_counts(monkeypatch):
-    """Without total_q/total_k the run cannot compare q's tokens with the offsets; a checked plan read them."""
+    """Without total_q/total_k the run cannot compare q's tokens with the offsets; a checked plan read them: fewer
+    rows than the offsets cover are refused, more are padding, as without the check (review finding: the check had
+    refused padded q that the unchecked plan serves)."""
     monkeypatch.setenv(mv.ENV, "1")
     cu = cumulative([5, 7], "cpu")
     run = _sel("torch").plan_prefill(cu, cu, 7, 7)
     q, k, v = _prefill_tensors([5, 7, 1])
-    with pytest.raises(ValueError, match=r"^q: expected \[12, 4, 64\] fp16 on cpu, got \[13, 4, 64\]"):
-        run(q, k[:12], v[:12])
-    with pytest.raises(ValueError, match=r"^k: expected \[12, 2, 64\] fp16 on cpu, got \[13, 2, 64\]"):
-        run(q[:12], k, v)
+    with pytest.raises(ValueError, match=r"^q has 11 tokens but cu_seqlens_q\[-1\] is 12 \(\$ATTNSEL_CHECK_METADATA "
+                                         r"found this\); allowed: at least cu_seqlens_q\[-1\] rows"):
+        run(q[:11], k, v)
+    with pytest.raises(ValueError, match=r"^k has 10 tokens but cu_seqlens_k\[-1\] is 12 "):
+        run(q, k[:10], v[:10])
+    out = run(q, k, v)  # one padding row in q, k and v
+    assert (out[:12].float() - _ref_prefill(q[:12], k[:12], v[:12], [5, 7])).abs().max().item() <= 2e-3
 
 
 @pytest.mark.parametrize("table, lens, max_len, message", [
