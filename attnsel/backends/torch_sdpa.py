@@ -45,7 +45,8 @@ def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     step = max(1, MATH_CHUNK_ELEMS // max(1, b * heads * lk))
     out = torch.empty_like(q)
     for s0 in range(0, lq, step):
-        qf = q[:, :, s0:s0 + step].float().reshape(b, kvh, group, -1, d)
+        chunk = q[:, :, s0:s0 + step]
+        qf = chunk.float().reshape(b, kvh, group, chunk.shape[2], d)  # explicit rows: -1 is ambiguous at batch 0
         scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, KVH, G, chunk, Lk]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -59,7 +60,7 @@ def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         if sink is not None:
             denom = denom + torch.exp(sink - top)
         o = (weights @ vf) / denom  # [B, KVH, G, chunk, D]
-        out[:, :, s0:s0 + step] = o.view(b, heads, -1, d).to(q.dtype)
+        out[:, :, s0:s0 + step] = o.view(b, heads, chunk.shape[2], d).to(q.dtype)
     return out
 
 
