@@ -140,9 +140,15 @@ def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int
             window = None
         else:
             window = int(left) + 1
-    if softcap < 0:
-        raise ValueError(f"attnsel.{func}: softcap must be >= 0 (0 disables it), got {softcap!r}")
-    return window, (float(softcap) if softcap > 0 else None)
+    try:  # a number or a 0-dim tensor; text and bools are refused (float("5") would read text)
+        if isinstance(softcap, (str, bytes, bool)):
+            raise TypeError
+        cap = float(softcap)
+    except (TypeError, ValueError, RuntimeError):
+        cap = math.nan
+    if not math.isfinite(cap) or cap < 0:  # NaN compared false everywhere: it meant no cap
+        raise ValueError(f"attnsel.{func}: softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
+    return window, (cap if cap > 0 else None)
 
 
 def _resolve(func: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Size, ks: torch.Size,
@@ -299,6 +305,31 @@ def _sinks_kwargs(func: str, sinks: torch.Tensor | None, heads: int) -> dict:
     return {"sinks": sinks if sinks.dtype == torch.float32 else sinks.float()}
 
 
+def _non_tensor(func: str, **args) -> None:
+    """Raises TypeError naming the first argument that is neither a tensor nor None (cache_seqlens may be an int)."""
+    for name, x in args.items():
+        if x is None or isinstance(x, torch.Tensor):
+            continue
+        if name == "cache_seqlens" and isinstance(x, int) and not isinstance(x, bool):
+            continue
+        allowed = "an int or an int32 torch.Tensor" if name == "cache_seqlens" else "a torch.Tensor"
+        raise TypeError(f"attnsel.{func}: {name} must be {allowed}, got {type(x).__name__}")
+
+
+def _host_int(name: str, x) -> int:
+    """A host integer argument (max_seqlen_q/k): an int, or what converts to one exactly (numpy ints); a float,
+    text, a bool or None is a ValueError naming it (int() would truncate 2.7 or read "3")."""
+    if type(x) is int:
+        return x
+    try:
+        if isinstance(x, bool):
+            raise TypeError
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"attnsel.flash_attn_varlen_func: {name} must be a Python int (the longest sequence's "
+                         f"tokens, an upper bound is fine), got {x!r}") from None
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                            v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
@@ -308,51 +339,55 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Causal masking is bottom-right aligned (sequences with fewer queries than keys). Returns out ``[total_q, H, D]``.
     Not served (UnsupportedArgument when not default): seqused_q/k, qv, q/k/v_descale, attention_chunk, num_splits,
     pack_gqa, deterministic, sm_margin, return_attn_probs."""
-    if (seqused_q is not None or seqused_k is not None or qv is not None or q_descale is not None
-            or k_descale is not None or v_descale is not None or attention_chunk != 0 or num_splits != 1
-            or pack_gqa is not None or deterministic or sm_margin != 0 or return_attn_probs):
-        given = dict(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
-                     v_descale=v_descale)
-        given = {n: x for n, x in given.items() if x is not None}
-        given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0), ("num_splits", num_splits, 1),
-                                           ("pack_gqa", pack_gqa, None), ("deterministic", deterministic, False),
-                                           ("sm_margin", sm_margin, 0), ("return_attn_probs", return_attn_probs, False))
-                      if x != d})
-        _unsupported("flash_attn_varlen_func", given)
-    qs, ks = q.shape, k.shape
-    key = found = None
-    if len(qs) == 3 and len(ks) == 3 and v.shape == ks:  # the facts the checks below depend on, but the strides
-        key = (q.dtype, k.dtype, v.dtype, qs[1], qs[2], ks[1], ks[2], softmax_scale, type(softmax_scale), causal,
-               type(causal), window_size, type(window_size), softcap, type(softcap), sinks is None, q.device,
-               k.device, v.device)
-        found = _known(key)
-    if found is not None:
-        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-            _unit_stride("flash_attn_varlen_func", q=q, k=k, v=v)
-        spec, sel, number = found
-    else:
-        generation = _generation
-        spec, sel, number = _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, causal,
-                                            window_size, softcap, sinks)
-        if key is not None and _plain(causal, window_size, softcap):
-            _remember(key, (spec, sel, number), generation)
-    host = (int(max_seqlen_q), int(max_seqlen_k), qs[0], ks[0])
-    slot, capturing = ("prefill", number), _capturing(q)
-    run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
-    if run is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
-        if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
-            raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be int32, got "
-                             f"{cu_seqlens_q.dtype}/{cu_seqlens_k.dtype}")
-        if cu_seqlens_q.device != q.device or cu_seqlens_k.device != q.device:
-            raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be on q's device "
-                             f"{q.device}, got {cu_seqlens_q.device}/{cu_seqlens_k.device}")
-        versions = _versions(cu_seqlens_q, cu_seqlens_k)
-        run = _store_plan(slot, cu_seqlens_q, cu_seqlens_k, versions, host, capturing,
-                          sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], total_q=host[2],
-                                           total_k=host[3], checked=False))
-    if sinks is None:
-        return run(q, k, v)
-    return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, qs[1]))
+    try:
+        if (seqused_q is not None or seqused_k is not None or qv is not None or q_descale is not None
+                or k_descale is not None or v_descale is not None or attention_chunk != 0 or num_splits != 1
+                or pack_gqa is not None or deterministic or sm_margin != 0 or return_attn_probs):
+            given = dict(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
+                         v_descale=v_descale)
+            given = {n: x for n, x in given.items() if x is not None}
+            given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0), ("num_splits", num_splits, 1),
+                                               ("pack_gqa", pack_gqa, None), ("deterministic", deterministic, False),
+                                               ("sm_margin", sm_margin, 0), ("return_attn_probs", return_attn_probs, False))
+                          if x != d})
+            _unsupported("flash_attn_varlen_func", given)
+        qs, ks = q.shape, k.shape
+        key = found = None
+        if len(qs) == 3 and len(ks) == 3 and v.shape == ks:  # the facts the checks below depend on, but the strides
+            key = (q.dtype, k.dtype, v.dtype, qs[1], qs[2], ks[1], ks[2], softmax_scale, type(softmax_scale), causal,
+                   type(causal), window_size, type(window_size), softcap, type(softcap), sinks is None, q.device,
+                   k.device, v.device)
+            found = _known(key)
+        if found is not None:
+            if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+                _unit_stride("flash_attn_varlen_func", q=q, k=k, v=v)
+            spec, sel, number = found
+        else:
+            generation = _generation
+            spec, sel, number = _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, causal,
+                                                window_size, softcap, sinks)
+            if key is not None and _plain(causal, window_size, softcap):
+                _remember(key, (spec, sel, number), generation)
+        host = (_host_int("max_seqlen_q", max_seqlen_q), _host_int("max_seqlen_k", max_seqlen_k), qs[0], ks[0])
+        slot, capturing = ("prefill", number), _capturing(q)
+        run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
+        if run is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
+            if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
+                raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be int32, got "
+                                 f"{cu_seqlens_q.dtype}/{cu_seqlens_k.dtype}")
+            if cu_seqlens_q.device != q.device or cu_seqlens_k.device != q.device:
+                raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be on q's device "
+                                 f"{q.device}, got {cu_seqlens_q.device}/{cu_seqlens_k.device}")
+            versions = _versions(cu_seqlens_q, cu_seqlens_k)
+            run = _store_plan(slot, cu_seqlens_q, cu_seqlens_k, versions, host, capturing,
+                              sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], total_q=host[2],
+                                               total_k=host[3], checked=False))
+        if sinks is None:
+            return run(q, k, v)
+        return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, qs[1]))
+    except AttributeError:  # a list, number or None where a tensor goes: name it, else the error stands
+        _non_tensor("flash_attn_varlen_func", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks)
+        raise
 
 
 def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, causal, window_size, softcap, sinks
@@ -391,79 +426,83 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     default): qv, rotary_cos/sin/seqlens, cache_batch_idx, cache_leftpad, cu_seqlens_q, cu_seqlens_k_new, q_descale,
     attention_chunk, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse;
     a cache without page_table; more than one query or new token per sequence."""
-    if (qv is not None or rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
-            or cache_leftpad is not None or cu_seqlens_q is not None or cu_seqlens_k_new is not None
-            or rotary_seqlens is not None or q_descale is not None or attention_chunk != 0 or not rotary_interleaved
-            or scheduler_metadata is not None or num_splits != 0 or pack_gqa is not None or sm_margin != 0
-            or return_softmax_lse):
-        given = dict(qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                     cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
-                     rotary_seqlens=rotary_seqlens, q_descale=q_descale, scheduler_metadata=scheduler_metadata)
-        given = {n: x for n, x in given.items() if x is not None}
-        given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0),
-                                           ("rotary_interleaved", rotary_interleaved, True),
-                                           ("num_splits", num_splits, 0), ("pack_gqa", pack_gqa, None),
-                                           ("sm_margin", sm_margin, 0),
-                                           ("return_softmax_lse", return_softmax_lse, False)) if x != d})
-        _unsupported("flash_attn_with_kvcache", given)
-    func = "flash_attn_with_kvcache"
-    if page_table is None:
-        raise UnsupportedArgument(f"attnsel.{func}: page_table=None (a contiguous [batch, seqlen, kv_heads, head_dim] "
-                                  "cache) is not served: attnsel needs a paged cache [num_pages, page_size, kv_heads, "
-                                  "head_dim] and an int32 page_table [batch, max_pages]")
-    if cache_seqlens is None:
-        raise ValueError(f"attnsel.{func}: cache_seqlens is required (tokens already in each sequence's cache)")
-    qs, ks, ts = q.shape, k_cache.shape, page_table.shape  # each read once: a shape costs ~0.2 us
-    key = found = None
-    if (k is None and v is None and k_descale is None and v_descale is None and len(qs) == 4 and len(ks) == 4
-            and len(ts) == 2 and ts[0] == qs[0] and v_cache.shape == ks and not isinstance(cache_seqlens, int)):
-        # the facts the checks below depend on, but the strides and the metadata (checked when a plan is made)
-        key = (q.dtype, k_cache.dtype, v_cache.dtype, qs[1], qs[2], qs[3], ks[1], ks[2], ks[3], softmax_scale,
-               type(softmax_scale), causal, type(causal), window_size, type(window_size), softcap, type(softcap),
-               sinks is None, q.device, k_cache.device, v_cache.device)
-        found = _known(key)
-    if found is not None:
-        if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            _unit_stride(func, q=q, k_cache=k_cache, v_cache=v_cache)
-        spec, sel, number = found
-        batch, page_size, scales = qs[0], ks[1], {}
-        extra = _sinks_kwargs(func, sinks, qs[2]) if sinks is not None else {}
-    else:
-        generation = _generation
-        spec, sel, number, cache_seqlens, scales, extra = _kvcache_checked(
-            q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks, ts, k_descale, v_descale, softmax_scale,
-            causal, window_size, softcap, sinks)
-        batch, page_size = qs[0], ks[1]
-        if key is not None and _plain(causal, window_size, softcap):
-            _remember(key, (spec, sel, number), generation)
-    append = k is not None
-    host = (append, ts[1])
-    slot, capturing = ("decode", number), _capturing(q)
-    plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
-    if plan is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
-        if page_table.dtype != torch.int32:
-            raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {batch}, got "
-                             f"{page_table.dtype} {tuple(ts)}")
-        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
-            raise ValueError(f"attnsel.{func}: cache_seqlens must be an int or int32 [{batch}], got "
-                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
-        if page_table.device != q.device or cache_seqlens.device != q.device:
-            raise ValueError(f"attnsel.{func}: page_table and cache_seqlens must be on q's device {q.device}, got "
-                             f"{page_table.device} and {cache_seqlens.device}")
-        versions = _versions(cache_seqlens, page_table)
-        plan = _store_plan(slot, cache_seqlens, page_table, versions, host, capturing,
-                           _plan_decode(sel, page_table, cache_seqlens, page_size, append, capturing))
-    slots, run = plan
-    if append:
-        kvh, d = ks[2], ks[3]
-        check_pages = getattr(run, "check_pages", None)  # ATTNSEL_CHECK_METADATA: before the write, not after
-        if check_pages is not None:
-            check_pages(k_cache)
-        k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
-        v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
-    if sinks is None and not scales:  # q stays [batch, 1, H, D]: the plan's layout is "b1hd"
-        return run(q, k_cache, v_cache)
-    return run(q, k_cache, v_cache, **extra, **scales)
+    try:
+        if (qv is not None or rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
+                or cache_leftpad is not None or cu_seqlens_q is not None or cu_seqlens_k_new is not None
+                or rotary_seqlens is not None or q_descale is not None or attention_chunk != 0 or not rotary_interleaved
+                or scheduler_metadata is not None or num_splits != 0 or pack_gqa is not None or sm_margin != 0
+                or return_softmax_lse):
+            given = dict(qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                         cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
+                         rotary_seqlens=rotary_seqlens, q_descale=q_descale, scheduler_metadata=scheduler_metadata)
+            given = {n: x for n, x in given.items() if x is not None}
+            given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0),
+                                               ("rotary_interleaved", rotary_interleaved, True),
+                                               ("num_splits", num_splits, 0), ("pack_gqa", pack_gqa, None),
+                                               ("sm_margin", sm_margin, 0),
+                                               ("return_softmax_lse", return_softmax_lse, False)) if x != d})
+            _unsupported("flash_attn_with_kvcache", given)
+        func = "flash_attn_with_kvcache"
+        if page_table is None:
+            raise UnsupportedArgument(f"attnsel.{func}: page_table=None (a contiguous [batch, seqlen, kv_heads, head_dim] "
+                                      "cache) is not served: attnsel needs a paged cache [num_pages, page_size, kv_heads, "
+                                      "head_dim] and an int32 page_table [batch, max_pages]")
+        if cache_seqlens is None:
+            raise ValueError(f"attnsel.{func}: cache_seqlens is required (tokens already in each sequence's cache)")
+        qs, ks, ts = q.shape, k_cache.shape, page_table.shape  # each read once: a shape costs ~0.2 us
+        key = found = None
+        if (k is None and v is None and k_descale is None and v_descale is None and len(qs) == 4 and len(ks) == 4
+                and len(ts) == 2 and ts[0] == qs[0] and v_cache.shape == ks and not isinstance(cache_seqlens, (int, bool))):
+            # the facts the checks below depend on, but the strides and the metadata (checked when a plan is made)
+            key = (q.dtype, k_cache.dtype, v_cache.dtype, qs[1], qs[2], qs[3], ks[1], ks[2], ks[3], softmax_scale,
+                   type(softmax_scale), causal, type(causal), window_size, type(window_size), softcap, type(softcap),
+                   sinks is None, q.device, k_cache.device, v_cache.device)
+            found = _known(key)
+        if found is not None:
+            if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+                _unit_stride(func, q=q, k_cache=k_cache, v_cache=v_cache)
+            spec, sel, number = found
+            batch, page_size, scales = qs[0], ks[1], {}
+            extra = _sinks_kwargs(func, sinks, qs[2]) if sinks is not None else {}
+        else:
+            generation = _generation
+            spec, sel, number, cache_seqlens, scales, extra = _kvcache_checked(
+                q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks, ts, k_descale, v_descale, softmax_scale,
+                causal, window_size, softcap, sinks)
+            batch, page_size = qs[0], ks[1]
+            if key is not None and _plain(causal, window_size, softcap):
+                _remember(key, (spec, sel, number), generation)
+        append = k is not None
+        host = (append, ts[1])
+        slot, capturing = ("decode", number), _capturing(q)
+        plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
+        if plan is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
+            if page_table.dtype != torch.int32:
+                raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {batch}, got "
+                                 f"{page_table.dtype} {tuple(ts)}")
+            if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+                raise ValueError(f"attnsel.{func}: cache_seqlens must be an int or int32 [{batch}], got "
+                                 f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+            if page_table.device != q.device or cache_seqlens.device != q.device:
+                raise ValueError(f"attnsel.{func}: page_table and cache_seqlens must be on q's device {q.device}, got "
+                                 f"{page_table.device} and {cache_seqlens.device}")
+            versions = _versions(cache_seqlens, page_table)
+            plan = _store_plan(slot, cache_seqlens, page_table, versions, host, capturing,
+                               _plan_decode(sel, page_table, cache_seqlens, page_size, append, capturing))
+        slots, run = plan
+        if append:
+            kvh, d = ks[2], ks[3]
+            check_pages = getattr(run, "check_pages", None)  # ATTNSEL_CHECK_METADATA: before the write, not after
+            if check_pages is not None:
+                check_pages(k_cache)
+            k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
+            v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
+        if sinks is None and not scales:  # q stays [batch, 1, H, D]: the plan's layout is "b1hd"
+            return run(q, k_cache, v_cache)
+        return run(q, k_cache, v_cache, **extra, **scales)
+    except AttributeError:  # a list, number or None where a tensor goes: name it, else the error stands
+        _non_tensor("flash_attn_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, page_table=page_table, k_descale=k_descale, v_descale=v_descale, sinks=sinks)
+        raise
 
 
 def _kvcache_checked(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks, ts, k_descale, v_descale,
@@ -487,7 +526,7 @@ def _kvcache_checked(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, k
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         _unit_stride(func, q=q, k_cache=k_cache, v_cache=v_cache)
     batch, page_size = qs[0], ks[1]
-    if isinstance(cache_seqlens, int):
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
     scales = {}
     if k_cache.dtype != q.dtype:

@@ -166,8 +166,14 @@ class DispatchTable:
                                                                               for n in b.times_us})))
         object.__setattr__(self, "_order", order)
 
+    def _check_key(self, key: tuple[int, ...]) -> None:
+        if len(key) != len(self.axes):  # zip would drop the extra values or the missing axes silently
+            raise ValueError(f"a {self.phase} dispatch table ({self.mode}) is keyed by ({', '.join(self.axes)}), got "
+                             f"{tuple(key)!r}")
+
     def cell(self, key: tuple[int, ...]) -> tuple[int, ...]:
         """The per-axis bucket index of a shape (log-spaced boundaries, clamped at both ends)."""
+        self._check_key(key)
         return tuple(bisect.bisect_right(b, x) for b, x in zip(self._bounds, key))
 
     def bucket_for(self, key: tuple[int, ...]) -> Bucket:
@@ -179,6 +185,7 @@ class DispatchTable:
         the cell of (32 prompts, 4608 tokens, longest 102), which was not timed; from that cell's centre the
         timed (32, 3264, 102) and (32, 4608, 144) were equally near and FA3's 144-token bucket served it, 1.31x
         slower than FlashInfer, while the shape itself is nearest to (32, 3264, 102), FlashInfer's."""
+        self._check_key(key)
         point = tuple(round(16 * _log2(min(max(x, v[0]), v[-1]))) / 16 for x, v in zip(key, self._values))
         hit = self._cells.get(point)
         if hit is None:
@@ -192,6 +199,7 @@ class DispatchTable:
         """The backend that serves a shape given on the table's axes (interpolated between timed shapes, see the
         class docstring). Per axis the position between two timed values is rounded to 1/32 of their log distance,
         so that shapes a few tokens apart share one memoised answer."""
+        self._check_key(key)
         sides = []  # per axis: ((value, weight), ...): one entry on a timed value or beyond the ends, else two
         for values, x in zip(self._values, key):
             x = max(x, 1)
@@ -241,14 +249,14 @@ class DispatchTable:
     def to_json(self) -> dict:
         return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
                 "grid_version": self.grid_version, "skipped": list(self.skipped), "wall_s": self.wall_s,
-                "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets]}
+                "tie": self.tie, "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets]}
 
     @classmethod
     def from_json(cls, data: dict) -> "DispatchTable":
         return cls(data["phase"], data["mode"], tuple(data["axes"]),
                    tuple(Bucket.from_json(b) for b in data["buckets"]),
                    data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"),
-                   pruned=tuple(data.get("pruned", {}).items()))
+                   tie=data.get("tie", TIE), pruned=tuple(data.get("pruned", {}).items()))
 
 
 def pick(times: dict[str, float], order: list[str], tie: float = TIE) -> str:
@@ -727,7 +735,10 @@ def default_device() -> str:
 
 
 def priority_list(phase: Phase, given: list[str] | tuple[str, ...] | None) -> list[str]:
-    """The auto candidates of a phase in order: given names, or the default list with plugins before torch."""
+    """The auto candidates of a phase in order: given names (a list, or one comma-separated string as the CLI
+    takes them), or the default list with plugins before torch."""
+    if isinstance(given, str):  # iterated, "fa3,torch" would be the names "f", "a", "3", ...
+        given = [n.strip() for n in given.split(",") if n.strip()]
     if given:
         for name in given:
             backends.get(name)  # UnknownBackendError lists the valid names
@@ -758,8 +769,14 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     Raises UnknownBackendError/ValueError for bad names and SelectionError when a phase cannot be served (its
     ``selection`` attribute holds what was found).
     """
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec must be an attnsel.AttentionSpec, got {type(spec).__name__} (AttentionSpec.from_dict "
+                        "makes one from a dict)")
     _check_choice("policy", policy, POLICIES)
     _check_choice("mode", mode, MODES)
+    for arg, value in (("timeout", timeout), ("budget_s", budget_s)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ValueError(f"{arg} must be a positive number of seconds or None, got {value!r}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if timeout is None:

@@ -1,6 +1,7 @@
 """Dispatch table (issue 10): bucket boundaries, dispatch from injected timings, untimed shapes, graph-mode decode by
 batch size, the cache round trip, the JSON schema, and the checked run functions. No GPU: timings are made by hand
 (the real worker runs once, on the CPU grid)."""
+import dataclasses
 import json
 import logging
 import math
@@ -124,6 +125,24 @@ def test_table_json_round_trip():
     again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
     assert again.to_json() == table.to_json()
     assert again.backend_for((3,)) == table.backend_for((3,))
+
+
+def test_table_json_keeps_the_lookup_tie_band():
+    """Review finding: to_json dropped ``tie``; a table with another band came back with the default one (and
+    served other backends between timed shapes)."""
+    table = dataclasses.replace(build_table(measured("decode", "eager", DECODE), ["a", "b"]), tie=0.5)
+    again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.tie == 0.5 and again == table
+
+
+def test_a_key_of_the_wrong_length_is_named():
+    """Review finding: zip() truncated (4,) or (4, 512, 99) on a (batch, context) table and answered anyway."""
+    table = build_table(measured("decode", "eager", DECODE), ["a", "b"])
+    for key in ((4,), (4, 512, 99), ()):
+        for lookup in (table.backend_for, table.bucket_for, table.cell):
+            with pytest.raises(ValueError, match=r"^a decode dispatch table \(eager\) is keyed by \(batch, context\), "
+                                                 rf"got {re.escape(repr(key))}$"):
+                lookup(key)
 
 
 # ---- end to end through select(), with the worker replaced by injected results ----
@@ -1297,3 +1316,21 @@ def test_the_carried_budget_stays_inside_half_the_task_timeout(monkeypatch):
                                   "max_budget_s": 25.0}}}
     worker.time_phase("decode", SPEC, torch.device("cpu"), job, {}, unspent_s=19.0)
     assert budgets == [25.0]
+
+
+def test_select_names_arguments_of_a_wrong_type(tmp_path):
+    """Review finding: a priority given as the CLI's "a,b" text was read letter by letter ("unknown backend 't'"),
+    timeout="10" and budget_s="5" raised a bare TypeError, a dict spec an AttributeError after every backend's
+    check had logged a traceback."""
+    spec = AttentionSpec(4, 2, 64, dtype="fp32")
+    sel = select(spec, policy="priority", prefill_priority="triton, torch", decode_priority="torch",
+                 cache_dir=str(tmp_path))
+    assert sel.candidates["decode"][0].name == "torch"
+    assert [c.name for c in sel.candidates["prefill"]] == ["triton", "torch"]
+    for kwargs, message in (({"timeout": "10"}, r"^timeout must be a positive number of seconds or None, got '10'$"),
+                            ({"budget_s": "5"}, r"^budget_s must be a positive number of seconds or None, got '5'$"),
+                            ({"timeout": True}, r"^timeout must be a positive number")):
+        with pytest.raises(ValueError, match=message):
+            select(spec, policy="priority", cache_dir=str(tmp_path), **kwargs)
+    with pytest.raises(TypeError, match=r"^spec must be an attnsel.AttentionSpec, got dict \(AttentionSpec.from_dict"):
+        select({"num_q_heads": 4}, policy="priority", cache_dir=str(tmp_path))

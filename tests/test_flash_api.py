@@ -829,7 +829,7 @@ def test_options_given_as_tensors_are_read_every_call(monkeypatch):
     cap = torch.tensor(0.0)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softcap=cap)
     cap.fill_(-1.0)
-    with pytest.raises(ValueError, match="softcap must be >= 0"):
+    with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
         attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softcap=cap)
 
 
@@ -850,3 +850,43 @@ def test_a_reset_during_the_checks_is_not_undone_by_the_memo(monkeypatch):
     monkeypatch.setattr(flash_api, "_resolve", reset_meanwhile)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True)
     assert not flash_api._calls and not flash_api._selections
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"max_seqlen_q": 2.7}, r"ValueError: .*max_seqlen_q must be a Python int .*got 2\.7"),
+    ({"max_seqlen_q": "3"}, r"ValueError: .*max_seqlen_q must be a Python int .*got '3'"),
+    ({"max_seqlen_k": True}, r"ValueError: .*max_seqlen_k must be a Python int .*got True"),
+    ({"max_seqlen_q": None}, r"ValueError: .*max_seqlen_q must be a Python int .*got None"),
+    ({"cu_seqlens_q": [0, 3]}, r"TypeError: .*cu_seqlens_q must be a torch.Tensor, got list"),
+    ({"q": [0.0]}, r"TypeError: .*q must be a torch.Tensor, got list"),
+    ({"sinks": [0.0] * 4}, r"TypeError: .*sinks must be a torch.Tensor, got list"),
+    ({"softcap": "5"}, r"ValueError: .*softcap must be a finite number >= 0 \(0 disables it\), got '5'"),
+    ({"softcap": float("nan")}, r"ValueError: .*softcap must be a finite number >= 0 \(0 disables it\), got nan"),
+], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
+def test_varlen_arguments_of_a_wrong_type_are_named(monkeypatch, change, error):
+    """Review finding: int() truncated max_seqlen 2.7 to 2 and read "3"; lists raised a bare AttributeError; a NaN
+    softcap meant no cap. Each is now named with what is allowed."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    q, k, v, cu_q, cu_k = ragged([3], [3], 4, 2, 8, torch.float32)
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=3, causal=True)
+    attnsel.flash_attn_varlen_func(**args)
+    with pytest.raises((TypeError, ValueError)) as exc:
+        attnsel.flash_attn_varlen_func(**{**args, **change})
+    assert re.search(error, f"{exc.type.__name__}: {exc.value}"), exc.value
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"cache_seqlens": True}, r"TypeError: .*cache_seqlens must be an int or an int32 torch.Tensor, got bool"),
+    ({"cache_seqlens": 5.0}, r"TypeError: .*cache_seqlens must be an int or an int32 torch.Tensor, got float"),
+    ({"cache_seqlens": [3, 5]}, r"TypeError: .*cache_seqlens must be an int or an int32 torch.Tensor, got list"),
+    ({"page_table": [[0, 1], [2, 3]]}, r"TypeError: .*page_table must be a torch.Tensor, got list"),
+    ({"k": [1], "v": [1]}, r"TypeError: .*k must be a torch.Tensor, got list"),
+], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
+def test_kvcache_arguments_of_a_wrong_type_are_named(monkeypatch, change, error):
+    hq, hk, d, ps, kc, table, seqlens, q, k_new = _small_decode(monkeypatch)
+    args = dict(q=q, k_cache=kc, v_cache=kc.clone(), cache_seqlens=seqlens, page_table=table, causal=True)
+    attnsel.flash_attn_with_kvcache(**args)
+    with pytest.raises((TypeError, ValueError)) as exc:
+        attnsel.flash_attn_with_kvcache(**{**args, **change})
+    assert re.search(error, f"{exc.type.__name__}: {exc.value}"), exc.value
+    assert kc.abs().sum().item() == 0

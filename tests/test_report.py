@@ -133,8 +133,8 @@ def test_report_json_carries_the_dispatch_table(capsys, monkeypatch, injected):
     assert set(data["time_units"]) == {"score_us", "dispatch.buckets.us", "time_s"}
     for phase in ("prefill", "decode"):
         table = data[phase]["dispatch"]
-        assert set(table) == {"phase", "mode", "axes", "default", "grid_version", "skipped", "wall_s", "pruned",
-                              "buckets"}
+        assert set(table) == {"phase", "mode", "axes", "default", "grid_version", "skipped", "wall_s", "tie",
+                              "pruned", "buckets"}
         assert table["grid_version"] == timing.GRID_VERSION and table["mode"] == "eager"
         assert table["default"] == data[phase]["backend"]
         for b in table["buckets"]:
