@@ -368,7 +368,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                 window_size, softcap, sinks)
             if key is not None and _plain(causal, window_size, softcap):
                 _remember(key, (spec, sel, number), generation)
-        host = (_host_int("max_seqlen_q", max_seqlen_q), _host_int("max_seqlen_k", max_seqlen_k), qs[0], ks[0])
+        host = (max_seqlen_q if type(max_seqlen_q) is int else _host_int("max_seqlen_q", max_seqlen_q),
+                max_seqlen_k if type(max_seqlen_k) is int else _host_int("max_seqlen_k", max_seqlen_k), qs[0], ks[0])
         slot, capturing = ("prefill", number), _capturing(q)
         run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
         if run is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
