@@ -140,8 +140,8 @@ def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int
             window = None
         else:
             window = int(left) + 1
-    try:  # a number or a 0-dim tensor; text and bools are refused (float("5") would read text)
-        if isinstance(softcap, (str, bytes, bool)):
+    try:  # a number or a 0-dim tensor; text is refused (float("5") would read it)
+        if isinstance(softcap, (str, bytes)):
             raise TypeError
         cap = float(softcap)
     except (TypeError, ValueError, RuntimeError):
@@ -305,15 +305,19 @@ def _sinks_kwargs(func: str, sinks: torch.Tensor | None, heads: int) -> dict:
     return {"sinks": sinks if sinks.dtype == torch.float32 else sinks.float()}
 
 
-def _non_tensor(func: str, **args) -> None:
-    """Raises TypeError naming the first argument that is neither a tensor nor None (cache_seqlens may be an int)."""
+def _non_tensor(func: str, optional: tuple[str, ...], **args) -> None:
+    """Raises TypeError naming the first argument that is not a tensor (None only where ``optional`` names it;
+    cache_seqlens may be an int). Numpy arrays have a shape and a dtype: they are named here too."""
     for name, x in args.items():
-        if x is None or isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) or (x is None and name in optional):
             continue
         if name == "cache_seqlens" and isinstance(x, int) and not isinstance(x, bool):
             continue
         allowed = "an int or an int32 torch.Tensor" if name == "cache_seqlens" else "a torch.Tensor"
         raise TypeError(f"attnsel.{func}: {name} must be {allowed}, got {type(x).__name__}")
+
+
+_KVCACHE_OPTIONAL = ("k", "v", "k_descale", "v_descale", "sinks")
 
 
 def _host_int(name: str, x) -> int:
@@ -373,6 +377,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         slot, capturing = ("prefill", number), _capturing(q)
         run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
         if run is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
+            _non_tensor("flash_attn_varlen_func", ("sinks",), q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                        cu_seqlens_k=cu_seqlens_k, sinks=sinks)  # numpy arrays have a shape and a dtype
             if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
                 raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be int32, got "
                                  f"{cu_seqlens_q.dtype}/{cu_seqlens_k.dtype}")
@@ -387,7 +393,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             return run(q, k, v)
         return run(q, k, v, **_sinks_kwargs("flash_attn_varlen_func", sinks, qs[1]))
     except AttributeError:  # a list, number or None where a tensor goes: name it, else the error stands
-        _non_tensor("flash_attn_varlen_func", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks)
+        _non_tensor("flash_attn_varlen_func", ("sinks",), q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, sinks=sinks)
         raise
 
 
@@ -395,6 +402,8 @@ def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, 
                     ) -> tuple[AttentionSpec, Selection, int]:
     """flash_attn_varlen_func's argument checks and its (spec, selection, number) for a call whose facts were not
     seen before (or could not be memoised); raises on the first bad argument."""
+    _non_tensor("flash_attn_varlen_func", ("sinks",), q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, sinks=sinks)
     if len(qs) != 3 or len(ks) != 3 or v.shape != ks:
         raise ValueError(f"attnsel.flash_attn_varlen_func: q must be [total_q, heads, head_dim] and k, v "
                          f"[total_k, kv_heads, head_dim] alike; got q {tuple(qs)}, k {tuple(ks)}, "
@@ -478,6 +487,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         slot, capturing = ("decode", number), _capturing(q)
         plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
         if plan is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
+            _non_tensor(func, _KVCACHE_OPTIONAL, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                        cache_seqlens=cache_seqlens, page_table=page_table, k_descale=k_descale, v_descale=v_descale,
+                        sinks=sinks)  # numpy arrays have a shape and a dtype
             if page_table.dtype != torch.int32:
                 raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {batch}, got "
                                  f"{page_table.dtype} {tuple(ts)}")
@@ -490,6 +502,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             versions = _versions(cache_seqlens, page_table)
             plan = _store_plan(slot, cache_seqlens, page_table, versions, host, capturing,
                                _plan_decode(sel, page_table, cache_seqlens, page_size, append, capturing))
+        if ks[0] == 0 and batch:  # the backends gather page 0 for rows with nothing to read
+            raise ValueError(f"attnsel.{func}: k_cache/v_cache hold 0 pages ({tuple(ks)}); allowed: at least one "
+                             "page (a batch of padding rows still needs a page for its page ids to point at)")
         slots, run = plan
         if append:
             kvh, d = ks[2], ks[3]
@@ -502,7 +517,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             return run(q, k_cache, v_cache)
         return run(q, k_cache, v_cache, **extra, **scales)
     except AttributeError:  # a list, number or None where a tensor goes: name it, else the error stands
-        _non_tensor("flash_attn_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, page_table=page_table, k_descale=k_descale, v_descale=v_descale, sinks=sinks)
+        _non_tensor("flash_attn_with_kvcache", _KVCACHE_OPTIONAL, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                    cache_seqlens=cache_seqlens, page_table=page_table, k_descale=k_descale, v_descale=v_descale,
+                    sinks=sinks)
         raise
 
 
@@ -512,6 +529,8 @@ def _kvcache_checked(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, k
     tokens or reads an fp8 cache (checked every call): (spec, selection, number, cache_seqlens as a tensor, the
     run's descale kwargs, its sinks kwargs); raises on the first bad argument."""
     func = "flash_attn_with_kvcache"
+    _non_tensor(func, _KVCACHE_OPTIONAL, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                page_table=page_table, k_descale=k_descale, v_descale=v_descale, sinks=sinks)
     if len(qs) != 4 or qs[1] != 1:
         raise UnsupportedArgument(f"attnsel.{func}: q must be [batch, 1, heads, head_dim] (one query token per "
                                   f"sequence), got {tuple(qs)}; use flash_attn_varlen_func for more")

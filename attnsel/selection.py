@@ -520,7 +520,7 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
             if (vp != ps or v1 != hk or v2 != d or vn != kn or v_cache.dtype is not kdt
                     or v_cache.get_device() != device):
                 raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
-            if kn == 0:  # the backends gather page 0 for rows with nothing to read
+            if kn == 0 and batch:  # the backends gather page 0 for rows with nothing to read
                 raise ValueError(f"k_cache/v_cache hold 0 pages ({list(k_cache.shape)}); allowed: at least one page "
                                  "(a batch of padding rows still needs a page for its page ids to point at)")
             if (d > 1 and not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())

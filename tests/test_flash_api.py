@@ -859,6 +859,10 @@ def test_a_reset_during_the_checks_is_not_undone_by_the_memo(monkeypatch):
     ({"max_seqlen_q": None}, r"ValueError: .*max_seqlen_q must be a Python int .*got None"),
     ({"cu_seqlens_q": [0, 3]}, r"TypeError: .*cu_seqlens_q must be a torch.Tensor, got list"),
     ({"q": [0.0]}, r"TypeError: .*q must be a torch.Tensor, got list"),
+    ({"k": None}, r"TypeError: .*k must be a torch.Tensor, got NoneType"),
+    ({"cu_seqlens_k": None}, r"TypeError: .*cu_seqlens_k must be a torch.Tensor, got NoneType"),
+    ({"q": "numpy"}, r"TypeError: .*q must be a torch.Tensor, got ndarray"),
+    ({"cu_seqlens_q": "numpy"}, r"TypeError: .*cu_seqlens_q must be a torch.Tensor, got ndarray"),
     ({"sinks": [0.0] * 4}, r"TypeError: .*sinks must be a torch.Tensor, got list"),
     ({"softcap": "5"}, r"ValueError: .*softcap must be a finite number >= 0 \(0 disables it\), got '5'"),
     ({"softcap": float("nan")}, r"ValueError: .*softcap must be a finite number >= 0 \(0 disables it\), got nan"),
@@ -870,6 +874,7 @@ def test_varlen_arguments_of_a_wrong_type_are_named(monkeypatch, change, error):
     q, k, v, cu_q, cu_k = ragged([3], [3], 4, 2, 8, torch.float32)
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=3, causal=True)
     attnsel.flash_attn_varlen_func(**args)
+    change = {n: args[n].cpu().numpy() if x == "numpy" else x for n, x in change.items()}  # shape and dtype, no tensor
     with pytest.raises((TypeError, ValueError)) as exc:
         attnsel.flash_attn_varlen_func(**{**args, **change})
     assert re.search(error, f"{exc.type.__name__}: {exc.value}"), exc.value
@@ -881,12 +886,27 @@ def test_varlen_arguments_of_a_wrong_type_are_named(monkeypatch, change, error):
     ({"cache_seqlens": [3, 5]}, r"TypeError: .*cache_seqlens must be an int or an int32 torch.Tensor, got list"),
     ({"page_table": [[0, 1], [2, 3]]}, r"TypeError: .*page_table must be a torch.Tensor, got list"),
     ({"k": [1], "v": [1]}, r"TypeError: .*k must be a torch.Tensor, got list"),
+    ({"k_cache": None}, r"TypeError: .*k_cache must be a torch.Tensor, got NoneType"),
+    ({"page_table": "numpy"}, r"TypeError: .*page_table must be a torch.Tensor, got ndarray"),
+    ({"k_cache": "empty", "v_cache": "empty"}, r"ValueError: .*k_cache/v_cache hold 0 pages \(\(0, 4, 2, 8\)\); "
+                                                r"allowed: at least one page"),
 ], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
 def test_kvcache_arguments_of_a_wrong_type_are_named(monkeypatch, change, error):
     hq, hk, d, ps, kc, table, seqlens, q, k_new = _small_decode(monkeypatch)
     args = dict(q=q, k_cache=kc, v_cache=kc.clone(), cache_seqlens=seqlens, page_table=table, causal=True)
     attnsel.flash_attn_with_kvcache(**args)
+    change = {n: args[n].cpu().numpy() if x == "numpy" else kc[:0] if x == "empty" else x for n, x in change.items()}
     with pytest.raises((TypeError, ValueError)) as exc:
         attnsel.flash_attn_with_kvcache(**{**args, **change})
     assert re.search(error, f"{exc.type.__name__}: {exc.value}"), exc.value
     assert kc.abs().sum().item() == 0
+
+
+def test_softcap_false_means_no_cap_with_or_without_a_window(monkeypatch):
+    """Review finding: softcap=False (FlashAttention reads it as 0) was taken without a window and refused with one."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    q, k, v, cu_q, cu_k = ragged([3], [3], 4, 2, 8, torch.float32)
+    for window in ((-1, -1), (2, 0)):
+        plain = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, window_size=window)
+        off = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, window_size=window, softcap=False)
+        torch.testing.assert_close(off, plain)

@@ -312,3 +312,6 @@ def test_a_cache_of_no_pages_is_named():
     run = sel.plan_decode(torch.zeros(2, 0, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^k_cache/v_cache hold 0 pages \(\[0, 16, 2, 64\]\); allowed: at least one"):
         run(torch.randn(2, 8, 64), torch.randn(0, 16, 2, 64), torch.randn(0, 16, 2, 64))
+    # an idle step (no rows) before any page is allocated reads nothing: served (review finding of the fix above)
+    run = sel.plan_decode(torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    assert run(torch.randn(0, 8, 64), torch.randn(0, 16, 2, 64), torch.randn(0, 16, 2, 64)).shape == (0, 8, 64)
