@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 NAME = "attnsel_flash"
 _KNOWN_PARAMS = ["implementation", "attention_wrapper", "allow_all_kernels"]
 KERNEL_NAME = "attnsel/flash-attn"  # no "2"/"3": transformers' FA2/FA3-only block-table decode path stays off
+FLASH_FROM = (5, 19)  # 5.18 sends continuous batching through "paged|<name>", which it accepts for its own names only
 KERNEL_FROM = (5, 25)  # checked on 5.25 with kernels 0.19.1
 ENV_OPTIONS = "ATTNSEL_KERNEL_OPTIONS"
 _KERNEL_BACKENDS = ("cpu", "cuda")  # kernels' noarch variants torch-<backend>: the devices attnsel is tested on
@@ -62,6 +63,9 @@ def unsupported() -> str | None:
         from transformers import modeling_flash_attention_utils as mfau
     except ImportError as exc:
         return f"transformers is not importable ({exc})"
+    if _minor(transformers.__version__) < FLASH_FROM:
+        return (f"transformers {transformers.__version__} accepts only its own implementations for continuous batching "
+                f"(\"paged|{NAME}\" is refused); the flash-named route needs transformers >= 5.19")
     original = getattr(mfau._lazy_imports, "_attnsel_original", mfau._lazy_imports) \
         if hasattr(mfau, "_lazy_imports") else None
     if original is None:
@@ -148,7 +152,12 @@ def kernel_versions() -> bool:
     """Whether the installed transformers is one the Hub-kernel route is for (>= 5.25)."""
     import transformers
 
-    return tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= KERNEL_FROM
+    return _minor(transformers.__version__) >= KERNEL_FROM
+
+
+def _minor(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "5.25.0" or "5.26.0.dev0"."""
+    return tuple(int(x) for x in version.split(".")[:2])
 
 
 def kernel_unsupported() -> str | None:
