@@ -109,11 +109,11 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     if reason is None:
         AttentionInterface.register(PAGED_NAME, paged_attention_forward)
         names.append(PAGED_NAME)
-    elif (flash_reason := hf_kernels.unsupported()) is None:  # >= 5.19: the flash-named route (hf_kernels)
+    elif (flash_reason := hf_kernels.unsupported()) is None:  # >= 5.18: the flash-named route (hf_kernels)
         log.info("attnsel: %s not registered: %s; use %s for continuous batching", PAGED_NAME, reason,
                  hf_kernels.NAME)
         names += hf_kernels.register(prefill, decode, **select_options)
-    else:  # e.g. 5.18: no route; the dense path still serves
+    else:  # an unknown transformers: no route; the dense path still serves
         log.warning("attnsel: no continuous batching (generate_batch) on transformers %s: %s not registered (%s); "
                     "%s not registered (%s)", _transformers_version(), PAGED_NAME, reason, hf_kernels.NAME,
                     flash_reason)

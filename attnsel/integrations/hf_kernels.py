@@ -1,7 +1,10 @@
-"""Continuous batching on transformers >= 5.19 (checked on 5.24): the flash-named implementation ``"attnsel_flash"``.
+"""Continuous batching on transformers >= 5.18 (checked on 5.18, 5.24 and 5.25): the flash-named implementation
+``"attnsel_flash"``.
 
 Those versions accept only ``sdpa``, ``paged|eager``, names containing "flash", or Hub kernels for
-``generate_batch`` (custom ``paged|X`` names are refused). The Hub-kernel route needs the ``kernels`` package at
+``generate_batch`` (custom ``paged|X`` names are refused; 5.18 switches a flash-named model to ``"paged|<name>"``
+and accepts it where registered: there ``register()`` also registers ``"paged|attnsel_flash"`` to transformers' own
+paged flash forward). The Hub-kernel route needs the ``kernels`` package at
 0.18.2 to < 0.19 (5.24's bound; 5.25 pins kernels >= 0.19.1), which PyPI did not offer on 2026-12-03 (newest 0.17.2).
 So attnsel takes the flash route: ``register()`` registers transformers' own ``flash_attention_forward`` under
 ``"attnsel_flash"`` and makes transformers' lazy flash-attention import return attnsel's FA3-compatible functions
@@ -47,7 +50,8 @@ log = logging.getLogger(__name__)
 NAME = "attnsel_flash"
 _KNOWN_PARAMS = ["implementation", "attention_wrapper", "allow_all_kernels"]
 KERNEL_NAME = "attnsel/flash-attn"  # no "2"/"3": transformers' FA2/FA3-only block-table decode path stays off
-FLASH_FROM = (5, 19)  # 5.18 sends continuous batching through "paged|<name>", which it accepts for its own names only
+PAGED_NAME = f"paged|{NAME}"  # transformers 5.18: generate_batch switches a flash-named model to "paged|<name>" and
+# accepts it only if registered (5.19 dropped the prefix); registered there, to transformers' own paged flash forward
 KERNEL_FROM = (5, 25)  # checked on 5.25 with kernels 0.19.1
 ENV_OPTIONS = "ATTNSEL_KERNEL_OPTIONS"
 _KERNEL_BACKENDS = ("cpu", "cuda")  # kernels' noarch variants torch-<backend>: the devices attnsel is tested on
@@ -63,9 +67,6 @@ def unsupported() -> str | None:
         from transformers import modeling_flash_attention_utils as mfau
     except ImportError as exc:
         return f"transformers is not importable ({exc})"
-    if _minor(transformers.__version__) < FLASH_FROM:
-        return (f"transformers {transformers.__version__} accepts only its own implementations for continuous batching "
-                f"(\"paged|{NAME}\" is refused); the flash-named route needs transformers >= 5.19")
     original = getattr(mfau._lazy_imports, "_attnsel_original", mfau._lazy_imports) \
         if hasattr(mfau, "_lazy_imports") else None
     if original is None:
@@ -122,7 +123,7 @@ def _install_lazy_import_hook() -> None:
     original = mfau._lazy_imports
 
     def _lazy_imports(implementation, attention_wrapper=None, allow_all_kernels=False):
-        if implementation == NAME:
+        if implementation in (NAME, PAGED_NAME):
             return flash_attn_func, flash_attn_varlen_func, None, mfau._pad_input, mfau._unpad_input
         return original(implementation, attention_wrapper, allow_all_kernels)
 
@@ -137,6 +138,7 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     reason = unsupported()
     if reason:
         raise RuntimeError(f"attnsel: cannot register {NAME}: {reason}")
+    import transformers
     from transformers import AttentionInterface
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
@@ -145,6 +147,11 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     _install_lazy_import_hook()
     AttentionInterface.register(NAME, flash_attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
+    if _minor(transformers.__version__) == (5, 18):
+        from transformers.integrations.flash_paged import paged_attention_forward
+
+        AttentionInterface.register(PAGED_NAME, paged_attention_forward)
+        AttentionMaskInterface.register(PAGED_NAME, flash_attention_mask)
     return [NAME]
 
 
