@@ -318,7 +318,6 @@ def test_attention_mask_of_another_batch_size_is_refused(saved):
             ours(input_ids=ids, attention_mask=torch.ones(rows, 4, dtype=torch.long), use_cache=False)
 
 
-
 def test_no_continuous_batching_route_is_a_warning_not_an_error(monkeypatch, caplog):
     """On a transformers whose lazy flash import has a signature the flash route does not know (and which refuses
     paged|attnsel), register() keeps the dense path, registers nothing for continuous batching and warns why; it
