@@ -106,8 +106,10 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
     item = torch.finfo(spec.torch_dtype).bits // 8
     for shape in grid:
         if isinstance(shape, list):
-            # dispatched as an engine plans it: by the mean context (Selection.plan_decode's context_tokens)
-            label, key = f"ragged {len(shape)} (max {max(shape)})", (len(shape), -(-sum(shape) // len(shape)))
+            # dispatched as an engine plans it: by the mean context and the longest row (Selection.plan_decode's
+            # context_tokens and max_seq_len)
+            label = f"ragged {len(shape)} (max {max(shape)})"
+            key = (len(shape), -(-sum(shape) // len(shape)), max(shape))
             work = 2 * sum(shape) * spec.num_kv_heads * spec.head_dim * item
         else:
             label, key, work = f"{shape[0]}x{shape[1]}", shape, timing.decode_bytes(spec, *shape)

@@ -202,9 +202,10 @@ def _dispatch_problem(entry: dict) -> str | None:
                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in b["key"])
                 and all(_number_or_none(t) for t in b["us"].values())
                 and all(isinstance(b.get(f, {}), dict) for f in ("errors", "spread"))
-                and all(_number_or_none(s) for s in b.get("spread", {}).values())):
+                and all(_number_or_none(s) for s in b.get("spread", {}).values())
+                and isinstance(b.get("ragged", False), bool)):
             return ("a dispatch bucket without us (times: finite, >= 0, or null), key (one int >= 1 per axis) and "
-                    "label")
+                    "label, or with a ragged flag that is not true/false")
     return None
 
 

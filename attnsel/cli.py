@@ -20,6 +20,7 @@ from .backends import UnknownBackendError
 from .cache import ResultCache
 from .selection import AUTO, DEFAULT_PRIORITY, MODES, POLICIES, Selection, SelectionError, select
 from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs, short_dtype_name
+from .validate import timing
 
 log = logging.getLogger("attnsel")
 # AttentionSpec field -> its flag; -> its argparse dest
@@ -339,11 +340,16 @@ def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
     if table.pruned:
         skipped += "; not timed on the finer grid (slower on every coarse bucket): " + ", ".join(
             f"{n} (>= {r:.2f}x)" for n, r in table.pruned)
-    wins = ", ".join(f"{n} {k}" for n, k in sorted(table.wins().items(), key=lambda kv: -kv[1]))
-    out = Table(title=f"{phase} dispatch, {sel.mode}: buckets over {axes}; wins: {wins}{skipped}",
+    def wins(t) -> str:
+        return ", ".join(f"{n} {k}" for n, k in sorted(t.wins().items(), key=lambda kv: -kv[1]))
+
+    if table.ragged is not None:  # its buckets are listed after the uniform ones, labelled "ragged ..."
+        skipped += (f"; ragged batches (longest row >= {timing.RAGGED_SKEW:g}x the mean): "
+                    f"{len(table.ragged.buckets)} bucket(s), wins: {wins(table.ragged)}")
+    out = Table(title=f"{phase} dispatch, {sel.mode}: buckets over {axes}; wins: {wins(table)}{skipped}",
                 title_justify="left")
     rows = []
-    for b in table.buckets:
+    for b in table.buckets + (table.ragged.buckets if table.ragged is not None else ()):
         spread = b.spread.get(b.backend)
         rows.append([b.label, b.backend, f"{b.us:.1f}", f"{spread:.0%}" if spread is not None else "",
                      f"{b.ratio:.2f}x" if b.ratio else "", b.runner_up or ""])

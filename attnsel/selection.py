@@ -143,6 +143,8 @@ class DispatchTable:
     tie: float = TIE  # the lookup's tie band (the buckets' choices were made with the selection's)
     pruned: tuple[tuple[str, float], ...] = ()  # (candidate, least ratio to the fastest on the coarse grid): not
     # timed on the finer levels (timing.prune)
+    ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
+    # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -195,11 +197,15 @@ class DispatchTable:
             self._cells[point] = hit
         return hit
 
-    def backend_for(self, key: tuple[int, ...]) -> str:
+    def backend_for(self, key: tuple[int, ...], longest: int | None = None) -> str:
         """The backend that serves a shape given on the table's axes (interpolated between timed shapes, see the
         class docstring). Per axis the position between two timed values is rounded to 1/32 of their log distance,
-        so that shapes a few tokens apart share one memoised answer."""
+        so that shapes a few tokens apart share one memoised answer. ``longest``: a decode batch's longest context;
+        where it is at least timing.RAGGED_SKEW times the mean (``key[1]``) and the table has ragged buckets, those
+        decide (a ragged batch's speed is not its mean's uniform batch's: module timing)."""
         self._check_key(key)
+        if self.ragged is not None and longest is not None and longest >= timing.RAGGED_SKEW * max(key[-1], 1):
+            return self.ragged.backend_for(key)
         sides = []  # per axis: ((value, weight), ...): one entry on a timed value or beyond the ends, else two
         for values, x in zip(self._values, key):
             x = max(x, 1)
@@ -249,14 +255,17 @@ class DispatchTable:
     def to_json(self) -> dict:
         return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
                 "grid_version": self.grid_version, "skipped": list(self.skipped), "wall_s": self.wall_s,
-                "tie": self.tie, "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets]}
+                "tie": self.tie, "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets],
+                "ragged": self.ragged.to_json() if self.ragged is not None else None}
 
     @classmethod
     def from_json(cls, data: dict) -> "DispatchTable":
+        ragged = data.get("ragged")
         return cls(data["phase"], data["mode"], tuple(data["axes"]),
                    tuple(Bucket.from_json(b) for b in data["buckets"]),
                    data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"),
-                   tie=data.get("tie", TIE), pruned=tuple(data.get("pruned", {}).items()))
+                   tie=data.get("tie", TIE), pruned=tuple(data.get("pruned", {}).items()),
+                   ragged=cls.from_json(ragged) if ragged else None)
 
 
 def pick(times: dict[str, float], order: list[str], tie: float = TIE) -> str:
@@ -286,8 +295,20 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     usable = set(order) if usable is None else usable
     order = [n for n in order if n in usable]
     phase, mode = measured["phase"], measured["mode"]
+    uniform = [b for b in measured["buckets"] if not b.get("ragged")]
+    ragged = [{k: v for k, v in b.items() if k != "ragged"} for b in measured["buckets"] if b.get("ragged")]
+    if ragged and phase == "decode" and mode == "eager":  # the ragged buckets' own table (graph mode: none)
+        sub = build_table({**measured, "buckets": ragged, "pruned": {}, "wall_s": None,
+                           "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")]},
+                          order, usable)
+        if uniform:
+            table = build_table({**measured, "buckets": uniform,
+                                 "skipped": [x for x in measured.get("skipped", ()) if not x.startswith("ragged ")]},
+                                order, usable)
+            return dataclasses.replace(table, ragged=sub) if table is not None else sub
+        return sub
     rows = []
-    for b in measured["buckets"]:
+    for b in uniform:
         times = {n: t for n, t in b["us"].items() if n in usable and t and t > 0}
         if times:
             rows.append((tuple(b["key"]), b["label"], times, b.get("spread", {})))
@@ -631,13 +652,13 @@ class Selection:
         table = self.phases["prefill"].table
         return table.backend_for((num_seqs, total_tokens, longest)) if table else self.prefill
 
-    def decode_backend_for(self, batch: int, context: int) -> str:
-        """The backend that serves a decode batch of this shape (context: its mean context, see plan_decode; mode
-        "graph": the batch size alone decides)."""
+    def decode_backend_for(self, batch: int, context: int, longest: int | None = None) -> str:
+        """The backend that serves a decode batch of this shape (context: its mean context, longest: its longest
+        row's, see plan_decode; mode "graph": the batch size alone decides)."""
         table = self.phases["decode"].table
         if table is None:
             return self.decode
-        return table.backend_for((batch,) if len(table.axes) == 1 else (batch, context))
+        return table.backend_for((batch,) if len(table.axes) == 1 else (batch, context), longest)
 
     def plan_prefill(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, total_q: int | None = None, *, total_k: int | None = None,
@@ -673,9 +694,11 @@ class Selection:
         """Plan a paged decode batch on the backend its shape dispatches to; returns ``run(q, k_cache, v_cache)``
         (shapes: backends.Backend). No device sync: the bucket is (batch = ``seq_lens.shape[0]``, context) from
         host ints: context is the batch's mean context ceil(``context_tokens`` / batch) when ``context_tokens`` (the
-        context tokens summed over the batch) is given: a decode's time follows the tokens it reads, and a ragged
-        batch of one long and many short rows costs what a uniform batch of its mean costs (H200 2026-12-03: keyed
-        by its longest row, a ragged batch of 8 was served by a backend 2.04x slower than the fastest); else
+        context tokens summed over the batch) is given: a decode's time follows the tokens it reads (H200
+        2026-12-03: keyed by its longest row, a ragged batch of 8 was served by a backend 2.04x slower than the
+        fastest); with ``max_seq_len`` too, a batch whose longest row is at least timing.RAGGED_SKEW times the mean
+        is served by the eager table's ragged buckets where it has them (which backend is fastest on one long row
+        among short ones is not what the uniform batch of the mean says: H200 2026-12-06, 1.22x); else
         ``max_seq_len``; else ``page_table.shape[1] * page_size``, the longest context the table can hold (an
         overestimate when the table is wider than needed: pass one of them). In mode "graph" only the batch size
         matters. The run function checks q and the caches against the spec and raises ValueError naming the
@@ -693,16 +716,18 @@ class Selection:
                                                         self.spec.sliding_window)
                         if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
         batch = seq_lens.shape[0]
+        longest = None
         if context_tokens is not None:
             if not _host_int(context_tokens) or context_tokens < 0:
                 raise ValueError("context_tokens: expected None or a non-negative Python int (the batch's context "
                                  f"tokens, summed), got {context_tokens!r}")
             ctx = -(-context_tokens // max(batch, 1))
+            longest = max_seq_len  # with the mean: how ragged the batch is
         elif max_seq_len is not None:
             ctx = max_seq_len
         else:
             ctx = page_table.shape[1] * self.spec.page_size
-        name = self.decode_backend_for(batch, ctx)
+        name = self.decode_backend_for(batch, ctx, longest)
         backend = backends.get(name)
         run = backend.plan_decode(self.spec, page_table, seq_lens)
         b1hd = q_layout == "b1hd"

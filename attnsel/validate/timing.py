@@ -47,7 +47,8 @@ from .cases import clear_output, cumulative, spot_compare, spot_reference
 
 log = logging.getLogger(__name__)
 
-GRID_VERSION = 3  # part of the dispatch-table cache key: bump when the grids or the timing rules change
+GRID_VERSION = 4  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
+# decode buckets in eager mode)
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
@@ -59,12 +60,16 @@ MAX_SETS = 1024
 DEFAULT_L2_BYTES = 50 << 20  # H200; used when the device does not report its L2 size
 DEFAULT_BUDGET_S = 45.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S)
 BUDGET_ENV = "ATTNSEL_TIMING_BUDGET_S"
-PLAN_ALLOWANCE_S = 20.0  # eager mode, per phase: this much of the plans-and-first-calls step (at most half the
-# phase's budget) is not counted against the budget. H100, 2026-12-05 (bench/results/2026-12-05-round14): on an
-# empty Triton kernel cache that step took 15.4 s in decode (Triton compiling; 1.4 s with the cache warm) and the
-# eager table got 75 of 106 decode buckets. Compiles are a cost of the machine's first selections, not of timing;
-# the cap keeps a phase within 1.5x its budget (plus its last bucket), inside the task timeout. Not under CUDA
-# graphs: there the step holds the captures, paid on every bucket (13.6 s of 17.2 s with Triton's cache warm).
+PLAN_ALLOWANCE_S = 30.0  # eager mode, per phase: this much of the plans-and-first-calls step (at most
+# PLAN_ALLOWANCE_SHARE of the phase's budget) is not counted against the budget. H100, 2026-12-05
+# (bench/results/2026-12-05-round14): on an empty Triton kernel cache that step took 15.4 s in decode (Triton
+# compiling; 1.4 s with the cache warm) and the eager table got 75 of 106 decode buckets. H200, 2026-12-06 (round
+# 18): with the ragged decode buckets (more split counts: more Triton variants) the step took 18-29 s, the allowance
+# was then 20 s capped at half the phase's budget (~14 s), and the 28/4 and 8/1 tables lost 12 and 20 buckets to
+# compiles. Compiles are a cost of the machine's first selections, not of timing; the cap keeps a phase within 1.8x
+# its budget (plus its last bucket), inside the task timeout (a phase's budget is at most half of it). Not under
+# CUDA graphs: there the step holds the captures, paid on every bucket (13.6 s of 17.2 s with Triton's cache warm).
+PLAN_ALLOWANCE_SHARE = 0.8
 
 # Timed representatives (bucket centres). Buckets are the cells between the geometric midpoints of neighbouring
 # values on each axis; a shape outside the grid is clamped to the nearest end. Prompt lengths are 9/8 of powers of
@@ -80,6 +85,15 @@ PREFILL_RAGGED = ([2048] + [64] * 15, [4096] + [256] * 7)  # one long prompt amo
 MAX_PREFILL_TOKENS = 32768
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
 DECODE_CTX = (256, 512, 1024, 2048, 4096, 8192, 16384)
+# Ragged decode buckets (eager mode): batches whose rows' contexts spread from 1/16 to 4 times their mean, timed
+# as a sub-table keyed like the uniform one (batch, mean context) and used for batches whose longest row is at least
+# RAGGED_SKEW times their mean. H200 2026-12-06 (bench/results/2026-12-06-round17): on a ragged batch of 8 (mean
+# 2353, longest 9000) FlashInfer's tensor-core decode was 1.22x faster than its CUDA-core variant, which the uniform
+# buckets around the batch's mean (8 x 2048, 8 x 4096) had favoured; across the recorded runs the CUDA-core variant
+# won the 8/1-heads ragged cell by 9-12% and tied or lost the 32/8 one: the uniform grid does not predict it.
+RAGGED_DECODE_BATCHES = (2, 8, 32, 128)
+RAGGED_DECODE_MEANS = (1024, 4096)
+RAGGED_SKEW = 1.5
 GRAPH_DECODE_CTX = (256, 1024, 4096, 16384)  # graph mode scores a batch size over contexts: 4x steps suffice
 # (there a bucket's level is its batch size's: every batch size is timed at all four contexts together)
 MAX_DECODE_KV_BYTES = 4 << 30
@@ -173,6 +187,42 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
                                                                               _level(c, contexts))
                 grid.append((level, b, c))
     return _coarse_first(grid)
+
+
+def ragged_decode_lens(batch: int, mean: int) -> list[int]:
+    """The context lengths of a ragged timing batch: log-uniform from 1/16 to 4 (relative), scaled to ``mean`` on
+    average exactly (each at least 1), in a fixed shuffled order (rows sorted by length would favour one kernel's
+    scheduling)."""
+    if batch == 1:
+        return [mean]
+    weights = [2.0 ** (-4 + 6 * i / (batch - 1)) for i in range(batch)]
+    scale = mean * batch / sum(weights)
+    lens = [max(1, round(w * scale)) for w in weights]
+    lens[-1] += mean * batch - sum(lens)  # the longest row takes the rounding: the mean is exact
+    order = sorted(range(batch), key=lambda i: (i * 0.6180339887) % 1.0)  # golden-ratio shuffle
+    return [lens[i] for i in order]
+
+
+def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
+                       mode: str = "eager") -> list[tuple[int, list[int]]]:
+    """(level 0, context lengths) of the ragged decode buckets: eager mode on a GPU only (a CUDA graph is captured
+    per batch size and keyed by it alone); capped like decode_grid."""
+    if device.type != "cuda" or mode != "eager":
+        return []
+    cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
+    grid = []
+    for b in RAGGED_DECODE_BATCHES:
+        for m in RAGGED_DECODE_MEANS:
+            lens = ragged_decode_lens(b, m)
+            if decode_bytes(spec, 1, sum(lens)) <= cap:
+                grid.append((0, lens))
+    return grid
+
+
+def ragged_key(lens: list[int]) -> tuple[int, int]:
+    """The bucket coordinates of a ragged decode batch: (batch, mean context rounded up), as Selection.plan_decode
+    computes them from ``context_tokens``."""
+    return (len(lens), -(-sum(lens) // len(lens)))
 
 
 def reps_for(mode: str, device: torch.device) -> int:
@@ -554,9 +604,12 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
 
     Buckets go coarse grid first; once ``budget_s`` seconds are spent the remaining buckets are skipped (listed in
     "skipped"), so a tight budget gives a coarser table, never a missing range. In eager mode up to
-    ``plan_allowance`` of the candidates' plans and first calls (first-use compiles) is not counted. Returns a
+    ``plan_allowance`` of the candidates' plans and first calls (first-use compiles) is not counted. ``grid``:
+    (level, shape) items instead of the phase's grid (prefill: sequence lengths; decode: (batch, context), or a list
+    of context lengths for a ragged bucket: eager decode times ragged_decode_grid's after the coarse grid). Returns a
     JSON-able dict:
-    ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors"}],
+    ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
+    "ragged": true on a ragged decode bucket only}],
     "skipped": [labels], "pruned", "wall_s", "counted_s": what the budget counted of it, "steps_s": {step:
     seconds over the buckets}}``.
     """
@@ -567,15 +620,24 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     t0 = time.perf_counter()
     cands = {name: backends.get(name) for name in names}
     if grid is None:
-        grid = ([(lvl, lens) for lvl, lens in prefill_grid(spec, device)] if phase == "prefill"
-                else [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, _free_bytes(device), mode)])
+        if phase == "prefill":
+            grid = [(lvl, lens) for lvl, lens in prefill_grid(spec, device)]
+        else:
+            free = _free_bytes(device)
+            grid = [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, free, mode)]
+            coarse_end = sum(1 for lvl, _ in grid if lvl == 0)  # ragged buckets right after the coarse grid
+            grid[coarse_end:coarse_end] = ragged_decode_grid(spec, device, free, mode)
     buckets, skipped, pruned = [], [], {}
     steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
     allowance = plan_allowance(mode, budget_s)
     coarse: list[dict] = []
     for level, shape in grid:
+        ragged = phase == "decode" and isinstance(shape, list)  # a decode batch's context lengths
         if phase == "prefill":
             key, label = prefill_key(shape), prefill_label(shape)
+        elif ragged:
+            key = ragged_key(shape)
+            label = f"ragged {key[0]} (mean {key[1]}, max {max(shape)})"
         else:
             key, label = tuple(shape), f"{shape[0]}x{shape[1]}"
         if budget_s is not None and buckets and _counted(time.perf_counter() - t0, steps, allowance) > budget_s:
@@ -596,7 +658,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             timed = time_bucket({**cands, **{n: backends.get(n) for n in pruned}}, spec, phase, shape, device,
                                 mode, reps)
         _add_steps(steps, timed)
-        buckets.append({"key": list(key), "label": label, **timed})
+        buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}), **timed})
         if level == 0 and coarse is not None:
             coarse.append(timed)
     wall = time.perf_counter() - t0
@@ -608,7 +670,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
 
 def plan_allowance(mode: str, budget_s: float | None) -> float:
     """Seconds of a phase's plans and first calls that its budget does not count (PLAN_ALLOWANCE_S)."""
-    return min(PLAN_ALLOWANCE_S, budget_s / 2) if mode == "eager" and budget_s else 0.0
+    return min(PLAN_ALLOWANCE_S, PLAN_ALLOWANCE_SHARE * budget_s) if mode == "eager" and budget_s else 0.0
 
 
 def _counted(elapsed: float, steps: dict[str, float], allowance: float) -> float:

@@ -1,0 +1,177 @@
+"""Ragged decode buckets (issue 10, H200 round 17): an eager decode table keeps a sub-table timed on batches of one
+long row among short ones, and a batch whose longest row is at least timing.RAGGED_SKEW times its mean context is
+served from it. The grid, the routing from host sizes, the cache and JSON round trips, the report. No GPU: timings
+are made by hand."""
+import json
+
+import pytest
+import torch
+
+import attnsel.backends as backends_mod
+from attnsel import select
+from attnsel.cache import entry_problem
+from attnsel.selection import DispatchTable, PhaseChoice, build_table
+from attnsel.spec import AttentionSpec
+from attnsel.validate import timing
+from tests.test_dispatch import PRE, SPEC, Recorder, _selection, fake_worker, measured
+
+UNIFORM = {(1, 256): {"a": 10.0, "b": 20.0}, (1, 4096): {"a": 10.0, "b": 20.0},
+           (32, 256): {"a": 10.0, "b": 20.0}, (32, 4096): {"a": 10.0, "b": 20.0}}
+RAGGED = {(2, 1024): {"a": 30.0, "b": 20.0}, (2, 4096): {"a": 30.0, "b": 20.0},
+          (32, 1024): {"a": 30.0, "b": 20.0}, (32, 4096): {"a": 30.0, "b": 20.0}}
+
+
+def with_ragged(mode="eager", uniform=UNIFORM, ragged=RAGGED):
+    """timing.measure's result with ragged buckets after the uniform ones (as the eager decode grid times them)."""
+    out = measured("decode", mode, uniform)
+    extra = measured("decode", mode, ragged)["buckets"]
+    for b in extra:
+        b["ragged"] = True
+        b["label"] = f"ragged {b['key'][0]} (mean {b['key'][1]})"
+    out["buckets"] += extra
+    return out
+
+
+@pytest.mark.parametrize("batch", [2, 3, 8, 32, 128])
+@pytest.mark.parametrize("mean", [1024, 4096])
+def test_ragged_timing_batches_have_their_mean_and_one_long_row(batch, mean):
+    lens = timing.ragged_decode_lens(batch, mean)
+    assert len(lens) == batch and all(n >= 1 for n in lens)
+    assert timing.ragged_key(lens) == (batch, mean) and sum(lens) == batch * mean
+    assert max(lens) >= timing.RAGGED_SKEW * sum(lens) / batch  # the lookup takes it for a ragged batch
+    assert min(lens) <= mean / 8  # short rows too, not two halves
+    assert batch < 3 or lens != sorted(lens)  # rows in a fixed shuffled order
+    assert lens == timing.ragged_decode_lens(batch, mean)
+
+
+def test_ragged_buckets_are_timed_in_eager_mode_on_a_gpu_only():
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")  # the grids read no device (no GPU needed)
+    grid = timing.ragged_decode_grid(spec, cuda)
+    assert len(grid) == len(timing.RAGGED_DECODE_BATCHES) * len(timing.RAGGED_DECODE_MEANS)
+    assert all(lvl == 0 for lvl, _ in grid)
+    assert {timing.ragged_key(lens) for _, lens in grid} == {
+        (b, m) for b in timing.RAGGED_DECODE_BATCHES for m in timing.RAGGED_DECODE_MEANS}
+    assert timing.ragged_decode_grid(spec, cuda, mode="graph") == []
+    assert timing.ragged_decode_grid(spec, torch.device("cpu")) == []
+    # the caps of the uniform grid: 128 rows x 4096 on average is 1 GiB of KV here; a sixth of 3 GiB free leaves it out
+    small = timing.ragged_decode_grid(spec, cuda, free_bytes=3 << 30)
+    assert all(timing.decode_bytes(spec, 1, sum(lens)) <= (3 << 30) // 6 for _, lens in small)
+    assert len(small) < len(grid)
+
+
+def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
+    seen = []
+
+    def fake_bucket(cands, spec, phase, shape, device, mode, reps):
+        seen.append(shape)
+        return {"us": {n: 1.0 for n in cands}, "spread": {n: 0.0 for n in cands}, "errors": {}}
+
+    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+    monkeypatch.setattr(timing, "_free_bytes", lambda device: None)
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "eager")
+    coarse = sum(1 for lvl, _, _ in timing.decode_grid(spec, torch.device("cuda")) if lvl == 0)
+    ragged = [lens for _, lens in timing.ragged_decode_grid(spec, torch.device("cuda"))]
+    assert seen[coarse:coarse + len(ragged)] == ragged
+    assert all(isinstance(s, tuple) for s in seen[:coarse] + seen[coarse + len(ragged):])
+    flagged = [b for b in out["buckets"] if b.get("ragged")]
+    assert [b["key"] for b in flagged] == [list(timing.ragged_key(lens)) for lens in ragged]
+    assert flagged[0]["label"] == f"ragged 2 (mean 1024, max {max(ragged[0])})"
+    table = build_table(out, ["a", "b"])
+    assert table.ragged is not None and len(table.ragged.buckets) == len(ragged)
+    assert not any(b.label.startswith("ragged") for b in table.buckets)
+    seen.clear()  # graph mode: no ragged buckets (a graph is keyed by its batch size alone)
+    out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "graph")
+    assert all(isinstance(s, tuple) for s in seen) and not any(b.get("ragged") for b in out["buckets"])
+
+
+def test_a_ragged_batch_is_served_by_the_ragged_buckets():
+    table = build_table(with_ragged(), ["a", "b"])
+    assert {b.backend for b in table.buckets} == {"a"} and {b.backend for b in table.ragged.buckets} == {"b"}
+    assert table.backend_for((8, 2000)) == "a"  # no longest row given: the uniform buckets
+    assert table.backend_for((8, 2000), longest=2000) == "a"  # uniform
+    assert table.backend_for((8, 2000), longest=2999) == "a"  # below RAGGED_SKEW x the mean
+    assert table.backend_for((8, 2000), longest=3000) == "b"  # 1.5x the mean
+    assert table.backend_for((8, 2000), longest=9000) == "b"
+    assert table.backend_for((500, 10**6), longest=10**7) == "b"  # beyond the ragged grid: clamped to it
+    plain = build_table(measured("decode", "eager", UNIFORM), ["a", "b"])  # a table without ragged buckets
+    assert plain.ragged is None and plain.backend_for((8, 2000), longest=9000) == "a"
+
+
+def test_graph_tables_ignore_ragged_buckets():
+    table = build_table(with_ragged("graph"), ["a", "b"])
+    assert table.axes == ("batch",) and table.ragged is None
+    assert [b.key for b in table.buckets] == [(1,), (32,)] and table.backend_for((8,), 10**6) == "a"
+
+
+def test_ragged_table_json_and_cache_round_trip(monkeypatch):
+    table = build_table(with_ragged(), ["a", "b"])
+    data = json.loads(json.dumps(table.to_json()))
+    assert data["ragged"]["axes"] == ["batch", "context"] and len(data["ragged"]["buckets"]) == 4
+    again = DispatchTable.from_json(data)
+    assert again == table and again.backend_for((8, 2000), 9000) == "b"
+    calls = []
+    fake_worker(monkeypatch, {"prefill": measured("prefill", "eager", PRE),
+                              "decode": with_ragged(uniform={k: {"torch": v["a"], "triton": v["b"]}
+                                                             for k, v in UNIFORM.items()},
+                                                    ragged={k: {"torch": v["a"], "triton": v["b"]}
+                                                            for k, v in RAGGED.items()})}, calls)
+    order = ["triton", "torch"]
+    cold = select(SPEC, prefill_priority=order, decode_priority=order)
+    warm = select(SPEC, prefill_priority=order, decode_priority=order)
+    assert cold.cache == "miss" and warm.cache == "hit" and len(calls) == 1
+    assert warm.dispatch["decode"] == cold.dispatch["decode"] and warm.dispatch["decode"].ragged is not None
+    assert warm.decode_backend_for(8, 2000) == "torch" and warm.decode_backend_for(8, 2000, 9000) == "triton"
+
+
+def test_a_cached_ragged_flag_that_is_not_a_bool_is_refused():
+    entry = {"kind": "dispatch", "status": "timed", "budget_s": 45.0, "measured": {**with_ragged(), "pruned": {}}}
+    assert entry_problem(entry) is None
+    entry["measured"]["buckets"][-1]["ragged"] = "yes"
+    assert "ragged flag that is not true/false" in entry_problem(entry)
+
+
+def test_plan_decode_routes_a_ragged_batch_from_host_sizes(monkeypatch):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:RECORDERS")
+    data = with_ragged(uniform={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in UNIFORM.items()},
+                       ragged={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in RAGGED.items()})
+    sel = _selection({"decode": PhaseChoice("rec_a", "auto", [], build_table(data, ["rec_a", "rec_b"]))})
+    Recorder.planned.clear()
+    meta = dict(device="meta", dtype=torch.int32)
+    # 8 rows, 16000 context tokens (mean 2000): longest 9000 is ragged, 2100 is not
+    sel.plan_decode(torch.empty(8, 600, **meta), torch.empty(8, **meta), max_seq_len=9000, context_tokens=16000)
+    sel.plan_decode(torch.empty(8, 600, **meta), torch.empty(8, **meta), max_seq_len=2100, context_tokens=16000)
+    # without context_tokens the longest row is the context: nothing says the batch is ragged
+    sel.plan_decode(torch.empty(8, 600, **meta), torch.empty(8, **meta), max_seq_len=9000)
+    assert Recorder.planned == ["rec_b", "rec_a", "rec_a"]
+
+
+def test_report_lists_the_ragged_buckets(monkeypatch):
+    from rich.console import Console
+
+    from attnsel.cli import dispatch_table
+
+    table = build_table(with_ragged(), ["a", "b"])
+    console = Console(width=200, record=True)
+    console.print(dispatch_table(_selection({"decode": PhaseChoice("a", "auto", [], table)}), "decode", 200))
+    text = " ".join(console.export_text().split())
+    assert "wins: a 4; ragged batches (longest row >= 1.5x the mean): 4 bucket(s), wins: b 4" in text
+    assert "│ ragged 32 (mean 4096) │ b │ 20.0 │ 1% │ 1.50x │ a │" in text
+
+
+def test_the_bench_judges_its_ragged_cell_as_an_engine_plans_it():
+    from attnsel import bench
+
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    (label, key, shape, _), = [s for s in bench.shapes(spec, "decode", quick=False) if s[0].startswith("ragged")]
+    assert key == (len(shape), -(-sum(shape) // len(shape)), max(shape))  # batch, mean context, longest row
+    timed = {timing.ragged_key(lens) for _, lens in timing.ragged_decode_grid(spec, torch.device("cuda"))}
+    assert key[:2] not in timed and shape not in [lens for _, lens in timing.ragged_decode_grid(spec, torch.device(
+        "cuda"))]  # judged on a ragged batch the selection did not time
+    sel = _selection({"decode": PhaseChoice("a", "auto", [], build_table(with_ragged(), ["a", "b"]))})
+    row = [bench.Cell({}, "decode", label, "eager", n, us, 1.0, vs_best=us / 20.0) for n, us in (("a", 30.0),
+                                                                                                 ("b", 20.0))]
+    got = bench.compare(spec, "decode", "eager", label, key, row, ["a", "b"], sel)
+    assert got["selected"] == "b" and got["selected_ratio"] == 1.0 and got["one_backend"] == "a"
