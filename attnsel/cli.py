@@ -344,8 +344,9 @@ def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
         return ", ".join(f"{n} {k}" for n, k in sorted(t.wins().items(), key=lambda kv: -kv[1]))
 
     if table.ragged is not None:  # its buckets are listed after the uniform ones, labelled "ragged ..."
+        cut = f", {len(table.ragged.skipped)} skipped for the time budget" if table.ragged.skipped else ""
         skipped += (f"; ragged batches (longest row >= {timing.RAGGED_SKEW:g}x the mean): "
-                    f"{len(table.ragged.buckets)} bucket(s), wins: {wins(table.ragged)}")
+                    f"{len(table.ragged.buckets)} bucket(s){cut}, wins: {wins(table.ragged)}")
     out = Table(title=f"{phase} dispatch, {sel.mode}: buckets over {axes}; wins: {wins(table)}{skipped}",
                 title_justify="left")
     rows = []

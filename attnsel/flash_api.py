@@ -620,5 +620,6 @@ def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.
     else:
         slots, lens = None, cache_seqlens
     # q and out in FA3's [batch, 1, H, D]: FA3 and Triton take it as it is, other backends get views
-    return slots, sel.plan_decode(page_table, lens, max_seq_len=max_len, context_tokens=context, q_layout="b1hd",
-                                  checked=False)
+    # outside capture max_len is the exact longest row (the ragged buckets read it); during capture no context
+    return slots, sel.plan_decode(page_table, lens, max_seq_len=max_len, context_tokens=context,
+                                  longest=max_len if context is not None else None, q_layout="b1hd", checked=False)

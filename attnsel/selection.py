@@ -149,6 +149,12 @@ class DispatchTable:
     def __post_init__(self) -> None:
         if not self.buckets:
             raise ValueError(f"a {self.phase} dispatch table needs at least one bucket")
+        if self.ragged is not None and not (self.phase == self.ragged.phase == "decode" and self.mode == "eager"
+                                            and self.ragged.axes == self.axes == tuple(timing.DECODE_AXES)
+                                            and self.ragged.ragged is None):
+            raise ValueError(f"ragged buckets belong to an eager decode table keyed by {timing.DECODE_AXES}, not to a "
+                             f"{self.mode} {self.phase} table keyed by {self.axes} (sub-table: {self.ragged.mode} "
+                             f"{self.ragged.phase}, {self.ragged.axes})")
         values = [sorted({b.key[i] for b in self.buckets}) for i in range(len(self.axes))]
         bounds = [[math.sqrt(a * b) for a, b in zip(v, v[1:])] for v in values]
         object.__setattr__(self, "_values", values)
@@ -200,11 +206,13 @@ class DispatchTable:
     def backend_for(self, key: tuple[int, ...], longest: int | None = None) -> str:
         """The backend that serves a shape given on the table's axes (interpolated between timed shapes, see the
         class docstring). Per axis the position between two timed values is rounded to 1/32 of their log distance,
-        so that shapes a few tokens apart share one memoised answer. ``longest``: a decode batch's longest context;
-        where it is at least timing.RAGGED_SKEW times the mean (``key[1]``) and the table has ragged buckets, those
-        decide (a ragged batch's speed is not its mean's uniform batch's: module timing)."""
+        so that shapes a few tokens apart share one memoised answer. ``longest``: a decode batch's longest context
+        (exact); for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean
+        (``key[1]``), within a factor of 2 of the ragged buckets' timed range on both axes, the ragged buckets decide
+        (a ragged batch's speed is not its mean's uniform batch's: module timing); elsewhere the uniform ones (no
+        extrapolation of the ragged timings over the uniform ones)."""
         self._check_key(key)
-        if self.ragged is not None and longest is not None and longest >= timing.RAGGED_SKEW * max(key[-1], 1):
+        if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
             return self.ragged.backend_for(key)
         sides = []  # per axis: ((value, weight), ...): one entry on a timed value or beyond the ends, else two
         for values, x in zip(self._values, key):
@@ -222,6 +230,14 @@ class DispatchTable:
             hit = self._picks[sides] = self._interpolated(sides)
         # the fallback is looked up from the exact key (bucket_for memoises on its own, finer rounding)
         return hit or self.bucket_for(key).backend
+
+    def covers(self, key: tuple[int, ...], longest: int) -> bool:
+        """Whether this (ragged) table serves a decode batch of ``key`` = (batch, mean context) whose longest row is
+        ``longest``: at least 2 rows, longest >= timing.RAGGED_SKEW x the mean, and batch and mean within a factor of
+        2 of the timed range."""
+        batch, mean = key[0], max(key[-1], 1)
+        return (batch >= 2 and longest >= timing.RAGGED_SKEW * mean
+                and all(v[0] / 2 <= x <= 2 * v[-1] for v, x in zip(self._values, (batch, mean))))
 
     def _interpolated(self, sides: tuple) -> str | None:
         """The least interpolated slowdown over the box of timed values ``sides`` (per axis, (value, weight) pairs);
@@ -301,12 +317,11 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
         sub = build_table({**measured, "buckets": ragged, "pruned": {}, "wall_s": None,
                            "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")]},
                           order, usable)
-        if uniform:
-            table = build_table({**measured, "buckets": uniform,
-                                 "skipped": [x for x in measured.get("skipped", ()) if not x.startswith("ragged ")]},
-                                order, usable)
-            return dataclasses.replace(table, ragged=sub) if table is not None else sub
-        return sub
+        table = build_table({**measured, "buckets": uniform,
+                             "skipped": [x for x in measured.get("skipped", ()) if not x.startswith("ragged ")]},
+                            order, usable)
+        # without uniform times there is no table (the ragged buckets alone do not serve uniform batches)
+        return dataclasses.replace(table, ragged=sub) if table is not None else None
     rows = []
     for b in uniform:
         times = {n: t for n, t in b["us"].items() if n in usable and t and t > 0}
@@ -690,15 +705,17 @@ class Selection:
         return checked_prefill(run, self.spec, cu_seqlens_q.get_device(), total_q, total_k, seen)
 
     def plan_decode(self, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None = None,
-                    context_tokens: int | None = None, *, q_layout: str = "bhd", checked: bool = True) -> RunFn:
+                    context_tokens: int | None = None, *, longest: int | None = None, q_layout: str = "bhd",
+                    checked: bool = True) -> RunFn:
         """Plan a paged decode batch on the backend its shape dispatches to; returns ``run(q, k_cache, v_cache)``
         (shapes: backends.Backend). No device sync: the bucket is (batch = ``seq_lens.shape[0]``, context) from
         host ints: context is the batch's mean context ceil(``context_tokens`` / batch) when ``context_tokens`` (the
         context tokens summed over the batch) is given: a decode's time follows the tokens it reads (H200
         2026-12-03: keyed by its longest row, a ragged batch of 8 was served by a backend 2.04x slower than the
-        fastest); with ``max_seq_len`` too, a batch whose longest row is at least timing.RAGGED_SKEW times the mean
-        is served by the eager table's ragged buckets where it has them (which backend is fastest on one long row
-        among short ones is not what the uniform batch of the mean says: H200 2026-12-06, 1.22x); else
+        fastest); with ``longest`` too (the batch's longest context, exact: ``max_seq_len`` may be a bound), a
+        batch whose longest row is at least timing.RAGGED_SKEW times the mean is served by the eager table's ragged
+        buckets where it has them (DispatchTable.backend_for: which backend is fastest on rows of very different
+        lengths is not what the uniform batch of the mean says: H200 2026-12-06, 1.17-1.65x at 32 and 128 rows); else
         ``max_seq_len``; else ``page_table.shape[1] * page_size``, the longest context the table can hold (an
         overestimate when the table is wider than needed: pass one of them). In mode "graph" only the batch size
         matters. The run function checks q and the caches against the spec and raises ValueError naming the
@@ -716,18 +733,19 @@ class Selection:
                                                         self.spec.sliding_window)
                         if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
         batch = seq_lens.shape[0]
-        longest = None
+        if longest is not None and (not _host_int(longest) or longest < 0):
+            raise ValueError("longest: expected None or a non-negative Python int (the batch's longest context, "
+                             f"exact), got {longest!r}")
         if context_tokens is not None:
             if not _host_int(context_tokens) or context_tokens < 0:
                 raise ValueError("context_tokens: expected None or a non-negative Python int (the batch's context "
                                  f"tokens, summed), got {context_tokens!r}")
             ctx = -(-context_tokens // max(batch, 1))
-            longest = max_seq_len  # with the mean: how ragged the batch is
         elif max_seq_len is not None:
             ctx = max_seq_len
         else:
             ctx = page_table.shape[1] * self.spec.page_size
-        name = self.decode_backend_for(batch, ctx, longest)
+        name = self.decode_backend_for(batch, ctx, longest if context_tokens is not None else None)
         backend = backends.get(name)
         run = backend.plan_decode(self.spec, page_table, seq_lens)
         b1hd = q_layout == "b1hd"

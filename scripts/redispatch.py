@@ -9,7 +9,6 @@ each bench cell of that spec and mode is looked up as `attnsel bench` does, with
 (DispatchTable.backend_for: since 2026-12-03's fourth session it interpolates between timed shapes); prints
 within-3% counts, geomean and worst time over the cell's fastest, per phase.
 """
-import dataclasses
 import json
 import math
 import sys
@@ -23,9 +22,11 @@ from attnsel.spec import AttentionSpec  # noqa: E402
 
 def retabled(table: dict, order: list[str], tie: float) -> DispatchTable:
     data = json.loads(json.dumps(table))
-    for b in data["buckets"]:
-        b["backend"] = pick(b["times_us"], [n for n in order if n in b["times_us"]], tie)
-    return dataclasses.replace(DispatchTable.from_json(data), tie=tie)  # the lookup's band too
+    for t in (data, data.get("ragged") or {"buckets": []}):  # the ragged sub-table's buckets too
+        for b in t["buckets"]:
+            b["backend"] = pick(b["times_us"], [n for n in order if n in b["times_us"]], tie)
+        t["tie"] = tie  # the lookup's band too
+    return DispatchTable.from_json(data)
 
 
 def main() -> None:
@@ -53,8 +54,9 @@ def main() -> None:
                 ratios = []
                 for r in rows:
                     times = cells[(phase, sel["mode"], r["shape"])]
-                    key = tuple(keys[r["shape"]][:len(t.axes)])
-                    ratios.append(times[t.backend_for(key)] / min(times.values()))
+                    full = keys[r["shape"]]
+                    longest = full[2] if phase == "decode" and len(full) > 2 else None  # a ragged cell's longest row
+                    ratios.append(times[t.backend_for(tuple(full[:len(t.axes)]), longest)] / min(times.values()))
                 if ratios:
                     gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
                     print(f"{spec} {phase} {sel['mode']} tie {tie:.2f}: within 3% {sum(x <= 1.03 for x in ratios)}/"

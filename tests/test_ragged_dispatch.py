@@ -2,6 +2,7 @@
 long row among short ones, and a batch whose longest row is at least timing.RAGGED_SKEW times its mean context is
 served from it. The grid, the routing from host sizes, the cache and JSON round trips, the report. No GPU: timings
 are made by hand."""
+import dataclasses
 import json
 
 import pytest
@@ -95,9 +96,27 @@ def test_a_ragged_batch_is_served_by_the_ragged_buckets():
     assert table.backend_for((8, 2000), longest=2999) == "a"  # below RAGGED_SKEW x the mean
     assert table.backend_for((8, 2000), longest=3000) == "b"  # 1.5x the mean
     assert table.backend_for((8, 2000), longest=9000) == "b"
-    assert table.backend_for((500, 10**6), longest=10**7) == "b"  # beyond the ragged grid: clamped to it
+    assert table.backend_for((64, 8192), longest=20000) == "b"  # within 2x of the timed range (2-32 x 1024-4096)
+    # farther out the uniform buckets decide: no extrapolation of the ragged timings over measured uniform ones
+    assert table.backend_for((65, 2000), longest=9000) == table.backend_for((8, 300), longest=9000) == "a"
+    assert table.backend_for((500, 10**6), longest=10**7) == "a"
+    assert table.backend_for((1, 2000), longest=9000) == "a"  # one row is never ragged
     plain = build_table(measured("decode", "eager", UNIFORM), ["a", "b"])  # a table without ragged buckets
     assert plain.ragged is None and plain.backend_for((8, 2000), longest=9000) == "a"
+
+
+def test_ragged_buckets_alone_make_no_table_and_belong_to_eager_decode_tables():
+    only = with_ragged()
+    only["buckets"] = [b for b in only["buckets"] if b.get("ragged")]
+    assert build_table(only, ["a", "b"]) is None  # they do not serve uniform batches
+    eager = build_table(with_ragged(), ["a", "b"])
+    graph = build_table(with_ragged("graph"), ["a", "b"])
+    with pytest.raises(ValueError, match="ragged buckets belong to an eager decode table keyed by"):
+        dataclasses.replace(graph, ragged=eager.ragged)
+    data = graph.to_json()
+    data["ragged"] = eager.ragged.to_json()  # a hand-edited cache entry
+    with pytest.raises(ValueError, match="not to a graph decode table keyed by"):
+        DispatchTable.from_json(data)
 
 
 def test_graph_tables_ignore_ragged_buckets():
@@ -140,12 +159,51 @@ def test_plan_decode_routes_a_ragged_batch_from_host_sizes(monkeypatch):
     sel = _selection({"decode": PhaseChoice("rec_a", "auto", [], build_table(data, ["rec_a", "rec_b"]))})
     Recorder.planned.clear()
     meta = dict(device="meta", dtype=torch.int32)
+    pt, lens = torch.empty(8, 600, **meta), torch.empty(8, **meta)
     # 8 rows, 16000 context tokens (mean 2000): longest 9000 is ragged, 2100 is not
-    sel.plan_decode(torch.empty(8, 600, **meta), torch.empty(8, **meta), max_seq_len=9000, context_tokens=16000)
-    sel.plan_decode(torch.empty(8, 600, **meta), torch.empty(8, **meta), max_seq_len=2100, context_tokens=16000)
+    sel.plan_decode(pt, lens, max_seq_len=9000, context_tokens=16000, longest=9000)
+    sel.plan_decode(pt, lens, max_seq_len=9000, context_tokens=16000, longest=2100)
+    # max_seq_len is a bound (an engine may pass its table's capacity): alone it says nothing about raggedness
+    sel.plan_decode(pt, lens, max_seq_len=9000, context_tokens=16000)
     # without context_tokens the longest row is the context: nothing says the batch is ragged
-    sel.plan_decode(torch.empty(8, 600, **meta), torch.empty(8, **meta), max_seq_len=9000)
-    assert Recorder.planned == ["rec_b", "rec_a", "rec_a"]
+    sel.plan_decode(pt, lens, max_seq_len=9000, longest=9000)
+    assert Recorder.planned == ["rec_b", "rec_a", "rec_a", "rec_a"]
+    for bad in (torch.tensor(9000), -1, 9000.0):
+        with pytest.raises(ValueError, match="^longest: expected None or a non-negative Python int"):
+            sel.plan_decode(pt, lens, context_tokens=16000, longest=bad)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_the_flash_api_plans_with_the_exact_longest_row(monkeypatch, tmp_path, append):
+    import attnsel
+    from attnsel import flash_api
+    from attnsel.selection import Selection
+
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    flash_api.configure(policy="priority")
+    seen = []
+    original = Selection.plan_decode
+
+    def recording(self, page_table, seq_lens, max_seq_len=None, context_tokens=None, **kw):
+        seen.append((max_seq_len, context_tokens, kw.get("longest")))
+        return original(self, page_table, seq_lens, max_seq_len, context_tokens, **kw)
+
+    monkeypatch.setattr(Selection, "plan_decode", recording)
+    try:
+        lens, ps = [1, 5, 16, 21], 4
+        kc, vc = torch.randn(16, ps, 2, 16), torch.randn(16, ps, 2, 16)
+        table = torch.arange(16, dtype=torch.int32).view(4, 4)  # 16 tokens of room per row: a bound, not the max
+        cached = torch.tensor(lens, dtype=torch.int32) - (1 if append else 0)
+        new = (torch.randn(4, 1, 2, 16), torch.randn(4, 1, 2, 16)) if append else ()
+        lens = [min(n, 16) for n in lens]  # the table holds 16 per row
+        cached = cached.clamp(max=16 - (1 if append else 0))
+        attnsel.flash_attn_with_kvcache(torch.randn(4, 1, 4, 16), kc, vc, *new, cache_seqlens=cached,
+                                        page_table=table, causal=True)
+    finally:
+        flash_api.configure()
+    assert seen == [(16, sum(lens), 16)]  # the batch's longest row and its tokens, not the table's capacity
 
 
 def test_report_lists_the_ragged_buckets(monkeypatch):
@@ -158,6 +216,10 @@ def test_report_lists_the_ragged_buckets(monkeypatch):
     console.print(dispatch_table(_selection({"decode": PhaseChoice("a", "auto", [], table)}), "decode", 200))
     text = " ".join(console.export_text().split())
     assert "wins: a 4; ragged batches (longest row >= 1.5x the mean): 4 bucket(s), wins: b 4" in text
+    cut = dataclasses.replace(table, ragged=dataclasses.replace(table.ragged, skipped=("ragged 64 (mean 1024)",)))
+    console = Console(width=200, record=True)
+    console.print(dispatch_table(_selection({"decode": PhaseChoice("a", "auto", [], cut)}), "decode", 200))
+    assert "4 bucket(s), 1 skipped for the time budget, wins: b 4" in " ".join(console.export_text().split())
     assert "│ ragged 32 (mean 4096) │ b │ 20.0 │ 1% │ 1.50x │ a │" in text
 
 
@@ -165,13 +227,35 @@ def test_the_bench_judges_its_ragged_cell_as_an_engine_plans_it():
     from attnsel import bench
 
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
-    (label, key, shape, _), = [s for s in bench.shapes(spec, "decode", quick=False) if s[0].startswith("ragged")]
-    assert key == (len(shape), -(-sum(shape) // len(shape)), max(shape))  # batch, mean context, longest row
+    cells = [s for s in bench.shapes(spec, "decode", quick=False) if s[0].startswith("ragged")]
+    assert [len(shape) for _, _, shape, _ in cells] == [8, 48, 100]
     timed = {timing.ragged_key(lens) for _, lens in timing.ragged_decode_grid(spec, torch.device("cuda"))}
-    assert key[:2] not in timed and shape not in [lens for _, lens in timing.ragged_decode_grid(spec, torch.device(
-        "cuda"))]  # judged on a ragged batch the selection did not time
+    for label, key, shape, _ in cells:
+        assert key == (len(shape), -(-sum(shape) // len(shape)), max(shape))  # batch, mean context, longest row
+        assert key[:2] not in timed  # judged on ragged batches the selection did not time
+        assert max(shape) >= timing.RAGGED_SKEW * key[1]
+    label, key, shape, _ = cells[0]
     sel = _selection({"decode": PhaseChoice("a", "auto", [], build_table(with_ragged(), ["a", "b"]))})
     row = [bench.Cell({}, "decode", label, "eager", n, us, 1.0, vs_best=us / 20.0) for n, us in (("a", 30.0),
                                                                                                  ("b", 20.0))]
     got = bench.compare(spec, "decode", "eager", label, key, row, ["a", "b"], sel)
     assert got["selected"] == "b" and got["selected_ratio"] == 1.0 and got["one_backend"] == "a"
+
+
+def test_pruning_reads_the_uniform_coarse_grid_only(monkeypatch):
+    """Review finding: a candidate 2.5x behind on every uniform coarse bucket but close on a ragged one kept being
+    timed on every finer uniform bucket (the ragged buckets are level 0)."""
+    seen = []
+
+    def fake_bucket(cands, spec, phase, shape, device, mode, reps):
+        seen.append((shape, sorted(cands)))
+        slow = 11.0 if isinstance(shape, list) else 25.0
+        return {"us": {n: {"fast": 10.0, "slow": slow}[n] for n in cands}, "spread": {n: 0.0 for n in cands},
+                "errors": {}}
+
+    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    grid = [(0, (1, 16)), (0, (4, 16)), (0, [2, 30]), (1, (2, 16))]
+    out = timing.measure(SPEC, "decode", ["fast", "slow"], torch.device("cpu"), "eager", reps=1, grid=grid)
+    assert out["pruned"] == {"slow": 2.5} and seen[-1] == ((2, 16), ["fast"])
+    assert [b.get("ragged", False) for b in out["buckets"]] == [False, False, True, False]

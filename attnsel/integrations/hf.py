@@ -449,7 +449,7 @@ def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: in
         pages = padded // ps
         page_table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
         run = sel.plan_decode(page_table, k_lens.to(torch.int32),
-                              **_plan_args(sel.plan_decode, max_seq_len=max_k, context_tokens=total_k))
+                              **_plan_args(sel.plan_decode, max_seq_len=max_k, context_tokens=total_k, longest=max_k))
         return _DensePlan(True, run, (), (rows, pos))
     cu_q = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)

@@ -659,7 +659,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
                                 mode, reps)
         _add_steps(steps, timed)
         buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}), **timed})
-        if level == 0 and coarse is not None:
+        if level == 0 and coarse is not None and not ragged:  # pruning reads the uniform coarse grid only
             coarse.append(timed)
     wall = time.perf_counter() - t0
     return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
