@@ -110,7 +110,7 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
     for shape in grid:
         if isinstance(shape, list):
             # dispatched as an engine plans it: by the mean context and the longest row (Selection.plan_decode's
-            # context_tokens and max_seq_len)
+            # context_tokens and longest)
             label = f"ragged {len(shape)} (max {max(shape)})"
             key = (len(shape), -(-sum(shape) // len(shape)), max(shape))
             work = 2 * sum(shape) * spec.num_kv_heads * spec.head_dim * item

@@ -343,6 +343,9 @@ def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
     def wins(t) -> str:
         return ", ".join(f"{n} {k}" for n, k in sorted(t.wins().items(), key=lambda kv: -kv[1]))
 
+    ragged_cut = [x for x in table.skipped if x.startswith("ragged ")]
+    if table.ragged is None and ragged_cut:  # every ragged bucket was skipped: say that the uniform ones serve
+        skipped += f" ({len(ragged_cut)} of them ragged: no ragged table, ragged batches take the uniform buckets)"
     if table.ragged is not None:  # its buckets are listed after the uniform ones, labelled "ragged ..."
         cut = f", {len(table.ragged.skipped)} skipped for the time budget" if table.ragged.skipped else ""
         skipped += (f"; ragged batches (longest row >= {timing.RAGGED_SKEW:g}x the mean): "

@@ -71,12 +71,13 @@ def check_prefill(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_se
 
 
 def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,
-                 page_size: int, window: int | None = None) -> int | None:
+                 page_size: int, window: int | None = None, longest: int | None = None) -> int | None:
     """The values of a decode plan's metadata (page_table int32 ``[batch, max_pages]``, seq_lens int32 ``[batch]``,
     tokens in each cache, the new one included); None during capture. ``window``: the spec's sliding window, whose
     rows read only the pages from the one holding token ``len - window`` (engines free the pages before it, -1).
     Returns the pages the caches must hold (one more than the largest page id a row reads), or None when nothing
-    was read (meta tensors, capture). ValueError naming the first wrong value."""
+    was read (meta tensors, capture). ``longest``: the plan's exact longest row (the dispatch's ragged route reads
+    it), checked against seq_lens. ValueError naming the first wrong value."""
     if _unreadable(seq_lens) or _unreadable(page_table):
         return None
     lens = seq_lens.tolist()
@@ -91,6 +92,9 @@ def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: 
         if max_seq_len is not None and n > max_seq_len:
             raise ValueError(f"seq_lens[{b}] is {n}, more than max_seq_len={max_seq_len}; allowed: max_seq_len >= "
                              "every length (or None)")
+    if longest is not None and lens and longest != max(lens):
+        raise ValueError(f"longest={longest} but the longest of seq_lens is {max(lens)} (row {lens.index(max(lens))}); "
+                         "allowed: longest = max(seq_lens), the exact longest row (or None)")
     used = [-(-n // page_size) for n in lens]
     if any(used):
         rows = page_table[:, :max(used)].tolist()

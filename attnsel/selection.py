@@ -149,12 +149,14 @@ class DispatchTable:
     def __post_init__(self) -> None:
         if not self.buckets:
             raise ValueError(f"a {self.phase} dispatch table needs at least one bucket")
-        if self.ragged is not None and not (self.phase == self.ragged.phase == "decode" and self.mode == "eager"
+        if self.ragged is not None and not (self.phase == self.ragged.phase == "decode"
+                                            and self.mode == self.ragged.mode == "eager"
                                             and self.ragged.axes == self.axes == tuple(timing.DECODE_AXES)
                                             and self.ragged.ragged is None):
-            raise ValueError(f"ragged buckets belong to an eager decode table keyed by {timing.DECODE_AXES}, not to a "
-                             f"{self.mode} {self.phase} table keyed by {self.axes} (sub-table: {self.ragged.mode} "
-                             f"{self.ragged.phase}, {self.ragged.axes})")
+            raise ValueError(f"ragged buckets form one eager decode sub-table keyed by {timing.DECODE_AXES}, under an "
+                             f"eager decode table; got a {self.ragged.mode} {self.ragged.phase} sub-table keyed by "
+                             f"{self.ragged.axes}{' with its own sub-table' if self.ragged.ragged else ''} under a "
+                             f"{self.mode} {self.phase} table keyed by {self.axes}")
         values = [sorted({b.key[i] for b in self.buckets}) for i in range(len(self.axes))]
         bounds = [[math.sqrt(a * b) for a, b in zip(v, v[1:])] for v in values]
         object.__setattr__(self, "_values", values)
@@ -208,7 +210,7 @@ class DispatchTable:
         class docstring). Per axis the position between two timed values is rounded to 1/32 of their log distance,
         so that shapes a few tokens apart share one memoised answer. ``longest``: a decode batch's longest context
         (exact); for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean
-        (``key[1]``), within a factor of 2 of the ragged buckets' timed range on both axes, the ragged buckets decide
+        (``key[1]``), near a timed ragged bucket (``covers``), the ragged buckets decide
         (a ragged batch's speed is not its mean's uniform batch's: module timing); elsewhere the uniform ones (no
         extrapolation of the ragged timings over the uniform ones)."""
         self._check_key(key)
@@ -233,11 +235,13 @@ class DispatchTable:
 
     def covers(self, key: tuple[int, ...], longest: int) -> bool:
         """Whether this (ragged) table serves a decode batch of ``key`` = (batch, mean context) whose longest row is
-        ``longest``: at least 2 rows, longest >= timing.RAGGED_SKEW x the mean, and batch and mean within a factor of
-        2 of the timed range."""
+        ``longest``: at least 2 rows, longest >= timing.RAGGED_SKEW x the mean (the timed ragged batches' skew), and
+        a timed bucket within a factor of 2 of the batch and of the mean (a hole in the grid, e.g. a bucket left out
+        by the memory cap, is not bridged)."""
         batch, mean = key[0], max(key[-1], 1)
         return (batch >= 2 and longest >= timing.RAGGED_SKEW * mean
-                and all(v[0] / 2 <= x <= 2 * v[-1] for v, x in zip(self._values, (batch, mean))))
+                and any(b.key[0] / 2 <= batch <= 2 * b.key[0] and b.key[-1] / 2 <= mean <= 2 * b.key[-1]
+                        for b in self.buckets))
 
     def _interpolated(self, sides: tuple) -> str | None:
         """The least interpolated slowdown over the box of timed values ``sides`` (per axis, (value, weight) pairs);
@@ -317,8 +321,9 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
         sub = build_table({**measured, "buckets": ragged, "pruned": {}, "wall_s": None,
                            "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")]},
                           order, usable)
-        table = build_table({**measured, "buckets": uniform,
-                             "skipped": [x for x in measured.get("skipped", ()) if not x.startswith("ragged ")]},
+        table = build_table({**measured, "buckets": uniform,  # ragged labels stay here when no sub-table holds them
+                             "skipped": [x for x in measured.get("skipped", ())
+                                         if sub is None or not x.startswith("ragged ")]},
                             order, usable)
         # without uniform times there is no table (the ragged buckets alone do not serve uniform batches)
         return dataclasses.replace(table, ragged=sub) if table is not None else None
@@ -712,7 +717,8 @@ class Selection:
         host ints: context is the batch's mean context ceil(``context_tokens`` / batch) when ``context_tokens`` (the
         context tokens summed over the batch) is given: a decode's time follows the tokens it reads (H200
         2026-12-03: keyed by its longest row, a ragged batch of 8 was served by a backend 2.04x slower than the
-        fastest); with ``longest`` too (the batch's longest context, exact: ``max_seq_len`` may be a bound), a
+        fastest); with ``longest`` too (the batch's longest context, exact: ``max_seq_len`` may be a bound; read
+        only with ``context_tokens``; checked against seq_lens under ATTNSEL_CHECK_METADATA=1), a
         batch whose longest row is at least timing.RAGGED_SKEW times the mean is served by the eager table's ragged
         buckets where it has them (DispatchTable.backend_for: which backend is fastest on rows of very different
         lengths is not what the uniform batch of the mean says: H200 2026-12-06, 1.17-1.65x at 32 and 128 rows); else
@@ -729,13 +735,13 @@ class Selection:
             raise ValueError(f"q_layout: expected 'bhd' ([batch, heads, head_dim]) or 'b1hd' ([batch, 1, heads, "
                              f"head_dim]), got {q_layout!r}")
         check_decode_metadata(page_table, seq_lens, max_seq_len)
-        pages_needed = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size,
-                                                        self.spec.sliding_window)
-                        if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
-        batch = seq_lens.shape[0]
         if longest is not None and (not _host_int(longest) or longest < 0):
             raise ValueError("longest: expected None or a non-negative Python int (the batch's longest context, "
                              f"exact), got {longest!r}")
+        pages_needed = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size,
+                                                        self.spec.sliding_window, longest)
+                        if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
+        batch = seq_lens.shape[0]
         if context_tokens is not None:
             if not _host_int(context_tokens) or context_tokens < 0:
                 raise ValueError("context_tokens: expected None or a non-negative Python int (the batch's context "

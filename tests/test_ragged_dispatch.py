@@ -18,8 +18,8 @@ from tests.test_dispatch import PRE, SPEC, Recorder, _selection, fake_worker, me
 
 UNIFORM = {(1, 256): {"a": 10.0, "b": 20.0}, (1, 4096): {"a": 10.0, "b": 20.0},
            (32, 256): {"a": 10.0, "b": 20.0}, (32, 4096): {"a": 10.0, "b": 20.0}}
-RAGGED = {(2, 1024): {"a": 30.0, "b": 20.0}, (2, 4096): {"a": 30.0, "b": 20.0},
-          (32, 1024): {"a": 30.0, "b": 20.0}, (32, 4096): {"a": 30.0, "b": 20.0}}
+RAGGED = {(4, 1024): {"a": 30.0, "b": 20.0}, (4, 4096): {"a": 30.0, "b": 20.0},
+          (16, 1024): {"a": 30.0, "b": 20.0}, (16, 4096): {"a": 30.0, "b": 20.0}}
 
 
 def with_ragged(mode="eager", uniform=UNIFORM, ragged=RAGGED):
@@ -33,7 +33,7 @@ def with_ragged(mode="eager", uniform=UNIFORM, ragged=RAGGED):
     return out
 
 
-@pytest.mark.parametrize("batch", [2, 3, 8, 32, 128])
+@pytest.mark.parametrize("batch", [4, 5, 8, 32, 128])
 @pytest.mark.parametrize("mean", [1024, 4096])
 def test_ragged_timing_batches_have_their_mean_and_one_long_row(batch, mean):
     lens = timing.ragged_decode_lens(batch, mean)
@@ -79,7 +79,7 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
     assert all(isinstance(s, tuple) for s in seen[:coarse] + seen[coarse + len(ragged):])
     flagged = [b for b in out["buckets"] if b.get("ragged")]
     assert [b["key"] for b in flagged] == [list(timing.ragged_key(lens)) for lens in ragged]
-    assert flagged[0]["label"] == f"ragged 2 (mean 1024, max {max(ragged[0])})"
+    assert flagged[0]["label"] == f"ragged 4 (mean 1024, max {max(ragged[0])})"
     table = build_table(out, ["a", "b"])
     assert table.ragged is not None and len(table.ragged.buckets) == len(ragged)
     assert not any(b.label.startswith("ragged") for b in table.buckets)
@@ -93,14 +93,17 @@ def test_a_ragged_batch_is_served_by_the_ragged_buckets():
     assert {b.backend for b in table.buckets} == {"a"} and {b.backend for b in table.ragged.buckets} == {"b"}
     assert table.backend_for((8, 2000)) == "a"  # no longest row given: the uniform buckets
     assert table.backend_for((8, 2000), longest=2000) == "a"  # uniform
-    assert table.backend_for((8, 2000), longest=2999) == "a"  # below RAGGED_SKEW x the mean
-    assert table.backend_for((8, 2000), longest=3000) == "b"  # 1.5x the mean
+    assert table.backend_for((8, 2000), longest=4999) == "a"  # below RAGGED_SKEW x the mean: not timed so mild
+    assert table.backend_for((8, 2000), longest=5000) == "b"  # 2.5x the mean
     assert table.backend_for((8, 2000), longest=9000) == "b"
-    assert table.backend_for((64, 8192), longest=20000) == "b"  # within 2x of the timed range (2-32 x 1024-4096)
-    # farther out the uniform buckets decide: no extrapolation of the ragged timings over measured uniform ones
-    assert table.backend_for((65, 2000), longest=9000) == table.backend_for((8, 300), longest=9000) == "a"
+    assert table.backend_for((32, 8192), longest=30000) == "b"  # within 2x of the timed (16, 4096)
+    # farther from every timed ragged bucket the uniform buckets decide: no extrapolation over measured uniform ones
+    assert table.backend_for((33, 2000), longest=9000) == table.backend_for((8, 500), longest=9000) == "a"
     assert table.backend_for((500, 10**6), longest=10**7) == "a"
     assert table.backend_for((1, 2000), longest=9000) == "a"  # one row is never ragged
+    # a hole in the ragged grid (a bucket the memory cap left out) is not bridged by the buckets around it
+    holed = with_ragged(ragged={k: v for k, v in RAGGED.items() if k != (16, 4096)})
+    assert build_table(holed, ["a", "b"]).backend_for((16, 8000), longest=30000) == "a"
     plain = build_table(measured("decode", "eager", UNIFORM), ["a", "b"])  # a table without ragged buckets
     assert plain.ragged is None and plain.backend_for((8, 2000), longest=9000) == "a"
 
@@ -111,12 +114,16 @@ def test_ragged_buckets_alone_make_no_table_and_belong_to_eager_decode_tables():
     assert build_table(only, ["a", "b"]) is None  # they do not serve uniform batches
     eager = build_table(with_ragged(), ["a", "b"])
     graph = build_table(with_ragged("graph"), ["a", "b"])
-    with pytest.raises(ValueError, match="ragged buckets belong to an eager decode table keyed by"):
+    with pytest.raises(ValueError, match="ragged buckets form one eager decode sub-table keyed by"):
         dataclasses.replace(graph, ragged=eager.ragged)
     data = graph.to_json()
     data["ragged"] = eager.ragged.to_json()  # a hand-edited cache entry
-    with pytest.raises(ValueError, match="not to a graph decode table keyed by"):
+    with pytest.raises(ValueError, match=r"under a graph decode table keyed by \('batch',\)$"):
         DispatchTable.from_json(data)
+    with pytest.raises(ValueError, match="got a eager decode sub-table keyed by .* with its own sub-table"):
+        dataclasses.replace(eager, ragged=eager)  # nested
+    with pytest.raises(ValueError, match="got a graph decode sub-table"):
+        dataclasses.replace(eager, ragged=dataclasses.replace(eager.ragged, mode="graph"))
 
 
 def test_graph_tables_ignore_ragged_buckets():
@@ -193,17 +200,15 @@ def test_the_flash_api_plans_with_the_exact_longest_row(monkeypatch, tmp_path, a
     monkeypatch.setattr(Selection, "plan_decode", recording)
     try:
         lens, ps = [1, 5, 16, 21], 4
-        kc, vc = torch.randn(16, ps, 2, 16), torch.randn(16, ps, 2, 16)
-        table = torch.arange(16, dtype=torch.int32).view(4, 4)  # 16 tokens of room per row: a bound, not the max
+        kc, vc = torch.randn(32, ps, 2, 16), torch.randn(32, ps, 2, 16)
+        table = torch.arange(32, dtype=torch.int32).view(4, 8)  # 32 tokens of room per row: a bound, not the max
         cached = torch.tensor(lens, dtype=torch.int32) - (1 if append else 0)
         new = (torch.randn(4, 1, 2, 16), torch.randn(4, 1, 2, 16)) if append else ()
-        lens = [min(n, 16) for n in lens]  # the table holds 16 per row
-        cached = cached.clamp(max=16 - (1 if append else 0))
         attnsel.flash_attn_with_kvcache(torch.randn(4, 1, 4, 16), kc, vc, *new, cache_seqlens=cached,
                                         page_table=table, causal=True)
     finally:
         flash_api.configure()
-    assert seen == [(16, sum(lens), 16)]  # the batch's longest row and its tokens, not the table's capacity
+    assert seen == [(21, 43, 21)]  # the batch's longest row (appended token included) and its tokens, not the capacity
 
 
 def test_report_lists_the_ragged_buckets(monkeypatch):
@@ -215,12 +220,20 @@ def test_report_lists_the_ragged_buckets(monkeypatch):
     console = Console(width=200, record=True)
     console.print(dispatch_table(_selection({"decode": PhaseChoice("a", "auto", [], table)}), "decode", 200))
     text = " ".join(console.export_text().split())
-    assert "wins: a 4; ragged batches (longest row >= 1.5x the mean): 4 bucket(s), wins: b 4" in text
+    assert "wins: a 4; ragged batches (longest row >= 2.5x the mean): 4 bucket(s), wins: b 4" in text
     cut = dataclasses.replace(table, ragged=dataclasses.replace(table.ragged, skipped=("ragged 64 (mean 1024)",)))
     console = Console(width=200, record=True)
     console.print(dispatch_table(_selection({"decode": PhaseChoice("a", "auto", [], cut)}), "decode", 200))
     assert "4 bucket(s), 1 skipped for the time budget, wins: b 4" in " ".join(console.export_text().split())
-    assert "│ ragged 32 (mean 4096) │ b │ 20.0 │ 1% │ 1.50x │ a │" in text
+    # every ragged bucket skipped for the budget: no sub-table, and the report says the uniform buckets serve
+    cut = measured("decode", "eager", UNIFORM)
+    cut["skipped"] = ["ragged 4 (mean 1024, max 3702)", "ragged 4 (mean 4096, max 14807)"]
+    console = Console(width=200, record=True)
+    console.print(dispatch_table(_selection({"decode": PhaseChoice("a", "auto", [], build_table(cut, ["a", "b"]))}),
+                                 "decode", 200))
+    assert ("2 bucket(s) skipped for the time budget (2 of them ragged: no ragged table, ragged batches take the "
+            "uniform buckets)") in " ".join(console.export_text().split())
+    assert "│ ragged 16 (mean 4096) │ b │ 20.0 │ 1% │ 1.50x │ a │" in text
 
 
 def test_the_bench_judges_its_ragged_cell_as_an_engine_plans_it():
@@ -259,3 +272,22 @@ def test_pruning_reads_the_uniform_coarse_grid_only(monkeypatch):
     out = timing.measure(SPEC, "decode", ["fast", "slow"], torch.device("cpu"), "eager", reps=1, grid=grid)
     assert out["pruned"] == {"slow": 2.5} and seen[-1] == ((2, 16), ["fast"])
     assert [b.get("ragged", False) for b in out["buckets"]] == [False, False, True, False]
+
+
+def test_a_wrong_longest_is_named_when_metadata_is_checked(monkeypatch):
+    """Newcomer finding: `longest` below the real longest row (or above it) picked a table silently even with
+    ATTNSEL_CHECK_METADATA=1; the check now holds it against seq_lens."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:RECORDERS")
+    monkeypatch.setenv("ATTNSEL_CHECK_METADATA", "1")
+    data = with_ragged(uniform={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in UNIFORM.items()},
+                       ragged={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in RAGGED.items()})
+    sel = _selection({"decode": PhaseChoice("rec_a", "auto", [], build_table(data, ["rec_a", "rec_b"]))})
+    page_table = torch.arange(512, dtype=torch.int32).view(4, 128)  # 4 rows x 128 pages of 16 tokens
+    seq_lens = torch.tensor([2000, 100, 100, 100], dtype=torch.int32)
+    Recorder.planned.clear()
+    sel.plan_decode(page_table, seq_lens, max_seq_len=2048, context_tokens=2300, longest=2000)
+    assert Recorder.planned == ["rec_b"]  # 2000 >= 2.5 x the mean of 575: ragged
+    for wrong in (5, 2001, 0):
+        with pytest.raises(ValueError, match=rf"^longest={wrong} but the longest of seq_lens is 2000 \(row 0\); "
+                                             r"allowed: longest = max\(seq_lens\)"):
+            sel.plan_decode(page_table, seq_lens, max_seq_len=2048, context_tokens=2300, longest=wrong)

@@ -47,8 +47,8 @@ from .cases import clear_output, cumulative, spot_compare, spot_reference
 
 log = logging.getLogger(__name__)
 
-GRID_VERSION = 4  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
-# decode buckets in eager mode)
+GRID_VERSION = 5  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
+# decode buckets in eager mode; 5: their batches 4-128, pruning on the uniform coarse grid only)
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
@@ -85,15 +85,14 @@ PREFILL_RAGGED = ([2048] + [64] * 15, [4096] + [256] * 7)  # one long prompt amo
 MAX_PREFILL_TOKENS = 32768
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
 DECODE_CTX = (256, 512, 1024, 2048, 4096, 8192, 16384)
-# Ragged decode buckets (eager mode): batches whose rows' contexts spread from 1/16 to 4 times their mean, timed
-# as a sub-table keyed like the uniform one (batch, mean context) and used for batches whose longest row is at least
-# RAGGED_SKEW times their mean. H200 2026-12-06 (bench/results/2026-12-06-round17): on a ragged batch of 8 (mean
-# 2353, longest 9000) FlashInfer's tensor-core decode was 1.22x faster than its CUDA-core variant, which the uniform
-# buckets around the batch's mean (8 x 2048, 8 x 4096) had favoured; across the recorded runs the CUDA-core variant
-# won the 8/1-heads ragged cell by 9-12% and tied or lost the 32/8 one: the uniform grid does not predict it.
-RAGGED_DECODE_BATCHES = (2, 8, 32, 128)
+# Ragged decode buckets (eager mode): batches whose rows' contexts spread from 1/16 to 4 times their mean (longest
+# row 3.0-4.2x the mean), timed as a sub-table keyed like the uniform one (batch, mean context) and used for batches
+# of similar skew (longest row at least RAGGED_SKEW times the mean) near the timed ones (selection.DispatchTable.
+# covers). H200 2026-12-06 (bench/results/2026-12-06-round18): on such batches of 32 and 128 rows the uniform table's
+# choice for their (batch, mean) was 1.17-1.65x slower than the fastest (FA3 won there); up to 8 rows they agreed.
+RAGGED_DECODE_BATCHES = (4, 8, 32, 128)
 RAGGED_DECODE_MEANS = (1024, 4096)
-RAGGED_SKEW = 1.5
+RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
 GRAPH_DECODE_CTX = (256, 1024, 4096, 16384)  # graph mode scores a batch size over contexts: 4x steps suffice
 # (there a bucket's level is its batch size's: every batch size is timed at all four contexts together)
 MAX_DECODE_KV_BYTES = 4 << 30
