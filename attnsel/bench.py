@@ -112,7 +112,7 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
             # dispatched as an engine plans it: by the mean context and the longest row (Selection.plan_decode's
             # context_tokens and longest)
             label = f"ragged {len(shape)} (max {max(shape)})"
-            key = (len(shape), -(-sum(shape) // len(shape)), max(shape))
+            key = (*timing.ragged_key(shape), max(shape))
             work = 2 * sum(shape) * spec.num_kv_heads * spec.head_dim * item
         else:
             label, key, work = f"{shape[0]}x{shape[1]}", shape, timing.decode_bytes(spec, *shape)
