@@ -65,6 +65,8 @@ class Cell:
     vs_read: float | None = None  # decode: achieved bandwidth / read-only probe
     spread: float | None = None  # (max - min) / median of the interleaved samples (the largest over the passes)
     passes: list | None = None  # with --repeats > 1: each pass's time (None: an error in that pass); us is their median
+    host_us: list | None = None  # eager on CUDA: each pass's host probe for the cell (timing.host_probe), as the
+    # selection records per bucket: which passes ran on a slow host
 
 
 def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: torch.device) -> dict[str, str]:
@@ -161,9 +163,11 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
             error = next((tp[i]["errors"][n] for tp in passes if tp[i]["errors"].get(n)), "")
             us = statistics.median(times) if all(times) and not error else None
             spreads = [tp[i]["spread"][n] for tp in passes if tp[i]["spread"].get(n) is not None]
+            hosts = [tp[i].get("host_us") for tp in passes]
             row.append(Cell(spec.to_dict(), phase, label, mode, n, us, work / us / 1e6 if us else None,
                             error=error, spread=max(spreads, default=None),
-                            passes=times if repeats > 1 else None))
+                            passes=times if repeats > 1 else None,
+                            host_us=hosts if any(h is not None for h in hosts) else None))
         best = min((c.us for c in row if c.us), default=None)
         for c in row:
             if c.us and best:

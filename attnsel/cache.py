@@ -191,8 +191,10 @@ def _dispatch_problem(entry: dict) -> str | None:
         return "a dispatch entry whose buckets or axes are not lists"
     pruned = measured.get("pruned", {})
     if (not isinstance(pruned, dict) or not all(_number_or_none(r) and r is not None for r in pruned.values())
-            or not isinstance(measured.get("skipped", []), list)):
-        return "a dispatch entry whose pruned or skipped candidates are malformed (pruned: candidate -> ratio)"
+            or not all(isinstance(measured.get(f, []), list) and all(isinstance(x, str) for x in measured.get(f, []))
+                       for f in ("skipped", "retimed"))):
+        return ("a dispatch entry whose pruned, skipped or retimed buckets are malformed (pruned: candidate -> "
+                "ratio; skipped, retimed: lists of bucket labels)")
     if not _number_or_none(measured.get("wall_s")) or not _number_or_none(entry.get("budget_s")):
         return f"a dispatch entry with wall_s {measured.get('wall_s')!r} or budget_s {entry.get('budget_s')!r}"
     axes = len(measured["axes"])
@@ -203,9 +205,10 @@ def _dispatch_problem(entry: dict) -> str | None:
                 and all(_number_or_none(t) for t in b["us"].values())
                 and all(isinstance(b.get(f, {}), dict) for f in ("errors", "spread"))
                 and all(_number_or_none(s) for s in b.get("spread", {}).values())
+                and all(_number_or_none(b.get(f)) for f in ("host", "host_us"))
                 and isinstance(b.get("ragged", False), bool)):
             return ("a dispatch bucket without us (times: finite, >= 0, or null), key (one int >= 1 per axis) and "
-                    "label, or with a ragged flag that is not true/false")
+                    "label, or with a ragged flag that is not true/false or a host probe that is not a number")
     return None
 
 

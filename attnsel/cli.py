@@ -346,6 +346,10 @@ def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
     ragged_cut = [x for x in table.skipped if x.startswith("ragged ")]
     if table.ragged is None and ragged_cut:  # every ragged bucket was skipped: say that the uniform ones serve
         skipped += f" ({len(ragged_cut)} of them ragged: no ragged table, ragged batches take the uniform buckets)"
+    retimed = len(table.retimed) + (len(table.ragged.retimed) if table.ragged is not None else 0)
+    if retimed:
+        skipped += (f"; {retimed} bucket(s) timed again: the host was slow the first time (probe >= "
+                    f"{timing.HOST_SLOW:g}x the phase's fastest)")
     if table.ragged is not None:  # its buckets are listed after the uniform ones, labelled "ragged ..."
         cut = f", {len(table.ragged.skipped)} skipped for the time budget" if table.ragged.skipped else ""
         skipped += (f"; ragged batches (longest row >= {timing.RAGGED_SKEW:g}x the mean): "
@@ -391,6 +395,8 @@ def report_json(sel: Selection) -> dict:
     out["backend_extras"] = _backend_extras(sel)
     out["time_units"] = {"score_us": f"{sel.mode} us per call, geometric mean over the phase's timed buckets",
                          "dispatch.buckets.us": f"{sel.mode} us per call, median of interleaved samples",
+                         "dispatch.buckets.host": "the host's launch time while the bucket was timed over the "
+                                                  "phase's fastest (eager on CUDA; null otherwise)",
                          "time_s": "validation wall time in seconds"}
     return out
 

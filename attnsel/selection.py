@@ -76,7 +76,8 @@ class Candidate:
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """One timed bucket of a dispatch table: its representative shape (``key``, on the table's axes), the backend
-    chosen there, its time per call, and the runner-up. ``times_us``/``spread`` hold every timed candidate."""
+    chosen there, its time per call, and the runner-up. ``times_us``/``spread`` hold every timed candidate. ``host``:
+    the host's speed while it was timed, its probe over the phase's fastest (eager on CUDA; timing.host_probe)."""
 
     key: tuple[int, ...]
     label: str
@@ -86,6 +87,7 @@ class Bucket:
     runner_up_us: float | None
     times_us: dict[str, float]
     spread: dict[str, float]
+    host: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -95,12 +97,13 @@ class Bucket:
     def to_json(self) -> dict:
         return {"key": list(self.key), "label": self.label, "backend": self.backend, "us": self.us,
                 "runner_up": self.runner_up, "runner_up_us": self.runner_up_us, "ratio": self.ratio,
-                "times_us": self.times_us, "spread": self.spread}
+                "times_us": self.times_us, "spread": self.spread, "host": self.host}
 
     @classmethod
     def from_json(cls, data: dict) -> "Bucket":
         return cls(tuple(data["key"]), data["label"], data["backend"], data["us"], data.get("runner_up"),
-                   data.get("runner_up_us"), dict(data.get("times_us", {})), dict(data.get("spread", {})))
+                   data.get("runner_up_us"), dict(data.get("times_us", {})), dict(data.get("spread", {})),
+                   data.get("host"))
 
 
 _MISSING = object()
@@ -145,6 +148,7 @@ class DispatchTable:
     # timed on the finer levels (timing.prune)
     ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
     # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
+    retimed: tuple[str, ...] = ()  # buckets timed again because the host was slow the first time (timing.HOST_SLOW)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -275,7 +279,8 @@ class DispatchTable:
     def to_json(self) -> dict:
         return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
                 "grid_version": self.grid_version, "skipped": list(self.skipped), "wall_s": self.wall_s,
-                "tie": self.tie, "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets],
+                "tie": self.tie, "pruned": dict(self.pruned), "retimed": list(self.retimed),
+                "buckets": [b.to_json() for b in self.buckets],
                 "ragged": self.ragged.to_json() if self.ragged is not None else None}
 
     @classmethod
@@ -285,7 +290,7 @@ class DispatchTable:
                    tuple(Bucket.from_json(b) for b in data["buckets"]),
                    data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"),
                    tie=data.get("tie", TIE), pruned=tuple(data.get("pruned", {}).items()),
-                   ragged=cls.from_json(ragged) if ragged else None)
+                   ragged=cls.from_json(ragged) if ragged else None, retimed=tuple(data.get("retimed", ())))
 
 
 def pick(times: dict[str, float], order: list[str], tie: float = TIE) -> str:
@@ -298,11 +303,12 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def _make_bucket(key: tuple, label: str, times: dict[str, float], spread: dict[str, float], order: list[str]) -> Bucket:
+def _make_bucket(key: tuple, label: str, times: dict[str, float], spread: dict[str, float], order: list[str],
+                 host: float | None = None) -> Bucket:
     chosen = pick(times, order)
     others = sorted((t, n) for n, t in times.items() if n != chosen)
     return Bucket(tuple(key), label, chosen, times[chosen], others[0][1] if others else None,
-                  others[0][0] if others else None, dict(times), dict(spread))
+                  others[0][0] if others else None, dict(times), dict(spread), host)
 
 
 def build_table(measured: dict, order: list[str], usable: set[str] | None = None) -> DispatchTable | None:
@@ -319,10 +325,13 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     ragged = [{k: v for k, v in b.items() if k != "ragged"} for b in measured["buckets"] if b.get("ragged")]
     if ragged and phase == "decode" and mode == "eager":  # the ragged buckets' own table (graph mode: none)
         sub = build_table({**measured, "buckets": ragged, "pruned": {}, "wall_s": None,
-                           "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")]},
+                           "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")],
+                           "retimed": [x for x in measured.get("retimed", ()) if x.startswith("ragged ")]},
                           order, usable)
         table = build_table({**measured, "buckets": uniform,  # ragged labels stay here when no sub-table holds them
                              "skipped": [x for x in measured.get("skipped", ())
+                                         if sub is None or not x.startswith("ragged ")],
+                             "retimed": [x for x in measured.get("retimed", ())
                                          if sub is None or not x.startswith("ragged ")]},
                             order, usable)
         # without uniform times there is no table (the ragged buckets alone do not serve uniform batches)
@@ -331,13 +340,13 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     for b in uniform:
         times = {n: t for n, t in b["us"].items() if n in usable and t and t > 0}
         if times:
-            rows.append((tuple(b["key"]), b["label"], times, b.get("spread", {})))
+            rows.append((tuple(b["key"]), b["label"], times, b.get("spread", {}), b.get("host")))
     if not rows:
         return None
     axes = tuple(measured["axes"])
     if phase == "decode" and mode == "graph":  # one bucket per batch size, best over the context range
         by_batch: dict[int, list] = {}
-        for key, label, times, spread in rows:
+        for key, label, times, spread, _ in rows:  # graph mode: no host probes
             by_batch.setdefault(key[0], []).append((key, times, spread))
         rows = []
         for batch, group in sorted(by_batch.items()):
@@ -347,11 +356,11 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
             ctxs = [key[1] for key, _, _ in group]
             times = {n: _geomean([t[n] for _, t, _ in group]) for n in names}
             spread = {n: max(s.get(n, 0.0) for _, _, s in group) for n in names}
-            rows.append(((batch,), f"batch {batch} (ctx {min(ctxs)}-{max(ctxs)})", times, spread))
+            rows.append(((batch,), f"batch {batch} (ctx {min(ctxs)}-{max(ctxs)})", times, spread, None))
         axes = axes[:1]
         if not rows:
             return None
-    buckets = tuple(_make_bucket(key, label, times, spread, order) for key, label, times, spread in rows)
+    buckets = tuple(_make_bucket(key, label, times, spread, order, host) for key, label, times, spread, host in rows)
     everywhere = [n for n in order if all(n in b.times_us for b in buckets)]
     if everywhere:
         default = pick({n: _geomean([b.times_us[n] for b in buckets]) for n in everywhere}, order)
@@ -362,7 +371,8 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
         default = max(order, key=lambda n: (wins.get(n, 0), -order.index(n)))
     return DispatchTable(phase, mode, axes, buckets, default, measured["grid_version"],
                          tuple(measured.get("skipped", ())), measured.get("wall_s"),
-                         pruned=tuple((n, r) for n, r in measured.get("pruned", {}).items() if n in usable))
+                         pruned=tuple((n, r) for n, r in measured.get("pruned", {}).items() if n in usable),
+                         retimed=tuple(measured.get("retimed", ())))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1238,7 +1238,7 @@ def test_the_worker_hands_unspent_timing_budget_to_the_next_phase(monkeypatch):
 
     budgets = []
 
-    def fake_measure(spec, phase, names, device, mode, budget_s):
+    def fake_measure(spec, phase, names, device, mode, budget_s, max_budget_s=None):
         budgets.append(budget_s)
         return {"phase": phase, "buckets": [], "wall_s": 3.0}
 
@@ -1310,7 +1310,7 @@ def test_the_carried_budget_stays_inside_half_the_task_timeout(monkeypatch):
     from attnsel.validate import worker
 
     budgets = []
-    monkeypatch.setattr(timing, "measure", lambda spec, phase, names, device, mode, budget_s:
+    monkeypatch.setattr(timing, "measure", lambda spec, phase, names, device, mode, budget_s, max_budget_s=None:
                         budgets.append(budget_s) or {"phase": phase, "buckets": [], "wall_s": 1.0})
     job = {"measure": {"decode": {"backends": ["torch"], "vouched": ["torch"], "budget_s": 20.0,
                                   "max_budget_s": 25.0}}}

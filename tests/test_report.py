@@ -130,17 +130,18 @@ def test_report_json_carries_the_dispatch_table(capsys, monkeypatch, injected):
                        "--decode-priority", "triton,torch")
     assert code == 0
     data = json.loads(out)
-    assert set(data["time_units"]) == {"score_us", "dispatch.buckets.us", "time_s"}
+    assert set(data["time_units"]) == {"score_us", "dispatch.buckets.us", "dispatch.buckets.host", "time_s"}
     for phase in ("prefill", "decode"):
         table = data[phase]["dispatch"]
         assert set(table) == {"phase", "mode", "axes", "default", "grid_version", "skipped", "wall_s", "tie",
-                              "pruned", "buckets", "ragged"}
+                              "pruned", "retimed", "buckets", "ragged"}
         assert table["ragged"] is None  # no ragged buckets timed (tests/test_ragged_dispatch.py has them)
         assert table["grid_version"] == timing.GRID_VERSION and table["mode"] == "eager"
         assert table["default"] == data[phase]["backend"]
         for b in table["buckets"]:
             assert set(b) == {"key", "label", "backend", "us", "runner_up", "runner_up_us", "ratio", "times_us",
-                              "spread"}
+                              "spread", "host"}
+            assert b["host"] is None  # CPU: no host probe (eager on CUDA only)
             assert len(b["key"]) == len(table["axes"])
             assert b["us"] == min(b["times_us"].values()) and b["ratio"] >= 1
     assert data["decode"]["dispatch"]["axes"] == ["batch", "context"]

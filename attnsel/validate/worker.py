@@ -130,7 +130,8 @@ def time_phase(phase: str, spec: AttentionSpec, device: torch.device, job: dict,
         budget = min(budget + unspent_s, order.get("max_budget_s", math.inf))
     t0 = time.perf_counter()
     try:
-        measured = timing.measure(spec, phase, names, device, job.get("mode", "eager"), budget)
+        measured = timing.measure(spec, phase, names, device, job.get("mode", "eager"), budget,
+                                  max_budget_s=order.get("max_budget_s"))
     except Exception as exc:
         log.error("timing %s raised:\n%s", phase, traceback.format_exc())
         return {"status": "rejected", "reason": f"timing raised {type(exc).__name__}: {exc}",
