@@ -191,10 +191,8 @@ def _dispatch_problem(entry: dict) -> str | None:
         return "a dispatch entry whose buckets or axes are not lists"
     pruned = measured.get("pruned", {})
     if (not isinstance(pruned, dict) or not all(_number_or_none(r) and r is not None for r in pruned.values())
-            or not all(isinstance(measured.get(f, []), list) and all(isinstance(x, str) for x in measured.get(f, []))
-                       for f in ("skipped", "retimed"))):
-        return ("a dispatch entry whose pruned, skipped or retimed buckets are malformed (pruned: candidate -> "
-                "ratio; skipped, retimed: lists of bucket labels)")
+            or not isinstance(measured.get("skipped", []), list)):
+        return "a dispatch entry whose pruned or skipped candidates are malformed (pruned: candidate -> ratio)"
     if not _number_or_none(measured.get("wall_s")) or not _number_or_none(entry.get("budget_s")):
         return f"a dispatch entry with wall_s {measured.get('wall_s')!r} or budget_s {entry.get('budget_s')!r}"
     axes = len(measured["axes"])

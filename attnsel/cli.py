@@ -346,10 +346,11 @@ def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
     ragged_cut = [x for x in table.skipped if x.startswith("ragged ")]
     if table.ragged is None and ragged_cut:  # every ragged bucket was skipped: say that the uniform ones serve
         skipped += f" ({len(ragged_cut)} of them ragged: no ragged table, ragged batches take the uniform buckets)"
-    retimed = len(table.retimed) + (len(table.ragged.retimed) if table.ragged is not None else 0)
-    if retimed:
-        skipped += (f"; {retimed} bucket(s) timed again: the host was slow the first time (probe >= "
-                    f"{timing.HOST_SLOW:g}x the phase's fastest)")
+    slow = sum(1 for b in table.buckets + (table.ragged.buckets if table.ragged is not None else ())
+               if b.host is not None and b.host >= timing.HOST_SLOW)
+    if slow:  # the host's speed moves (timing's module doc): say how much of the table was timed on a slow one
+        skipped += (f"; {slow} bucket(s) timed while the host was slow (launches >= {timing.HOST_SLOW:g}x the "
+                    f"phase's fastest)")
     if table.ragged is not None:  # its buckets are listed after the uniform ones, labelled "ragged ..."
         cut = f", {len(table.ragged.skipped)} skipped for the time budget" if table.ragged.skipped else ""
         skipped += (f"; ragged batches (longest row >= {timing.RAGGED_SKEW:g}x the mean): "

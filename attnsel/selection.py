@@ -148,7 +148,6 @@ class DispatchTable:
     # timed on the finer levels (timing.prune)
     ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
     # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
-    retimed: tuple[str, ...] = ()  # buckets timed again because the host was slow the first time (timing.HOST_SLOW)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -279,8 +278,7 @@ class DispatchTable:
     def to_json(self) -> dict:
         return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
                 "grid_version": self.grid_version, "skipped": list(self.skipped), "wall_s": self.wall_s,
-                "tie": self.tie, "pruned": dict(self.pruned), "retimed": list(self.retimed),
-                "buckets": [b.to_json() for b in self.buckets],
+                "tie": self.tie, "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets],
                 "ragged": self.ragged.to_json() if self.ragged is not None else None}
 
     @classmethod
@@ -290,7 +288,7 @@ class DispatchTable:
                    tuple(Bucket.from_json(b) for b in data["buckets"]),
                    data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"),
                    tie=data.get("tie", TIE), pruned=tuple(data.get("pruned", {}).items()),
-                   ragged=cls.from_json(ragged) if ragged else None, retimed=tuple(data.get("retimed", ())))
+                   ragged=cls.from_json(ragged) if ragged else None)
 
 
 def pick(times: dict[str, float], order: list[str], tie: float = TIE) -> str:
@@ -325,13 +323,10 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     ragged = [{k: v for k, v in b.items() if k != "ragged"} for b in measured["buckets"] if b.get("ragged")]
     if ragged and phase == "decode" and mode == "eager":  # the ragged buckets' own table (graph mode: none)
         sub = build_table({**measured, "buckets": ragged, "pruned": {}, "wall_s": None,
-                           "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")],
-                           "retimed": [x for x in measured.get("retimed", ()) if x.startswith("ragged ")]},
+                           "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")]},
                           order, usable)
         table = build_table({**measured, "buckets": uniform,  # ragged labels stay here when no sub-table holds them
                              "skipped": [x for x in measured.get("skipped", ())
-                                         if sub is None or not x.startswith("ragged ")],
-                             "retimed": [x for x in measured.get("retimed", ())
                                          if sub is None or not x.startswith("ragged ")]},
                             order, usable)
         # without uniform times there is no table (the ragged buckets alone do not serve uniform batches)
@@ -371,8 +366,7 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
         default = max(order, key=lambda n: (wins.get(n, 0), -order.index(n)))
     return DispatchTable(phase, mode, axes, buckets, default, measured["grid_version"],
                          tuple(measured.get("skipped", ())), measured.get("wall_s"),
-                         pruned=tuple((n, r) for n, r in measured.get("pruned", {}).items() if n in usable),
-                         retimed=tuple(measured.get("retimed", ())))
+                         pruned=tuple((n, r) for n, r in measured.get("pruned", {}).items() if n in usable))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,7 +134,7 @@ def test_report_json_carries_the_dispatch_table(capsys, monkeypatch, injected):
     for phase in ("prefill", "decode"):
         table = data[phase]["dispatch"]
         assert set(table) == {"phase", "mode", "axes", "default", "grid_version", "skipped", "wall_s", "tie",
-                              "pruned", "retimed", "buckets", "ragged"}
+                              "pruned", "buckets", "ragged"}
         assert table["ragged"] is None  # no ragged buckets timed (tests/test_ragged_dispatch.py has them)
         assert table["grid_version"] == timing.GRID_VERSION and table["mode"] == "eager"
         assert table["default"] == data[phase]["backend"]

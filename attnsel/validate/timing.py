@@ -16,16 +16,13 @@ Timing rules (what a number in a report means):
   fastest moved by up to 1.9x between repeats of the old rule and stayed within 1.00-1.05x with 21 samples (that
   run did not separate sample count from calibration and warm-up), so eager buckets take 21 samples; CUDA-graph
   replays vary by 1-3% and take 7.
-- Eager: the host's speed moves (H200 2026-12-06, rounds 17 and 18: whole rows of buckets ran 1.5-2x slower for
-  every host-bound candidate, and one such row picked FlashInfer where Triton was 1.18x faster). Before each
-  repetition a host probe (``host_probe``: launches of a one-element add) times the host; a bucket's ``host_us`` is
-  the median of its probes, its ``host`` that over the phase's fastest (1.0: as fast as any). The host has two
-  states (H100 2026-12-06, round 19: probes at 1.00-1.06x or 1.32-1.47x the fastest, Triton's decode at 4 x 256
-  46 or 80 us with them; slow for 29-78 of 85 buckets a phase) and a bucket keeps one state throughout. Once the
-  grid is timed, a close call (runner-up within ``RETIME_CLOSE`` of the winner) timed in the slow state (``host`` >=
-  ``HOST_SLOW``) is timed again, closest first, within the budget and at most ``RETIME_SHARE`` of it, and keeps the
-  timing taken on the faster host: buckets timed in one state agree with each other (the table interpolates
-  between them). Where the slow state is most of the time a second try often lands in it again.
+- Eager: the host's speed moves. Before each repetition a host probe (``host_probe``: launches of a one-element
+  add) times the host; a bucket's ``host_us`` is the median of its probes, its ``host`` that over the phase's
+  fastest (1.0: as fast as any), shown by the report. H100 2026-12-06 (bench/results/2026-12-06-round19): the host
+  had two states, probes at 1.00-1.06x or 1.32-1.47x the fastest, and a bucket kept one state throughout; in the
+  slow one every host-bound candidate slowed alike (Triton's decode at 4 x 256 46 -> 80 us, FlashInfer's 27 -> 44),
+  so the winner rarely changed. Timing a slow-host bucket again (tried in that round: up to 20% of the budget on
+  close calls) showed no gain and, with the slow state a third of the time or more, took budget from the grid.
 - Pruning: once the coarse grid (level 0) is timed, a candidate at least ``PRUNE`` times slower than the fastest in
   every coarse bucket is not timed on the finer levels (listed in "pruned" with its best ratio): it is unlikely to
   win there (an extrapolation from the coarse grid, not a check), and the finer grid then costs less. A finer
@@ -58,16 +55,13 @@ from .cases import clear_output, cumulative, spot_compare, spot_reference
 log = logging.getLogger(__name__)
 
 GRID_VERSION = 6  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
-# decode buckets in eager mode; 5: their batches 4-128, pruning on the uniform coarse grid only; 6: eager buckets
-# timed on a slow host are timed again)
+# decode buckets in eager mode; 5: their batches 4-128, pruning on the uniform coarse grid only; 6: the eager host
+# probe per bucket, the plan allowance capped by the task timeout)
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 HOST_SLOW = 1.2  # eager: a bucket whose host probe ran this much slower than the phase's fastest was timed on a
-# slow host (the two states of round 19: <= 1.06x and >= 1.32x)
-RETIME_CLOSE = 1.5  # ... and is timed again when its runner-up is within this of the winner (a slow host moved
-# host-bound candidates by up to 1.7x against the rest in round 19)
-RETIME_SHARE = 0.2  # re-timing spends at most this share of the phase's budget (coverage first)
+# slow host (the report counts them; the two states of round 19: <= 1.06x and >= 1.32x)
 HOST_PROBE_CALLS = 32  # launches per host probe (about 0.2 ms on an H200 host)
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
 SAMPLE_S = 1e-3  # a sample lasts at least this long (CUDA event resolution is ~0.5 us)
@@ -659,7 +653,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     JSON-able dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
     "host_us", "host" (eager on CUDA), "ragged": true on a ragged decode bucket only}],
-    "skipped": [labels], "pruned", "retimed": [labels timed again on a faster host], "wall_s", "counted_s": what the budget counted of it, "steps_s": {step:
+    "skipped": [labels], "pruned", "wall_s", "counted_s": what the budget counted of it, "steps_s": {step:
     seconds over the buckets}}``.
     """
     from .. import backends
@@ -677,7 +671,6 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             coarse_end = sum(1 for lvl, _ in grid if lvl == 0)  # ragged buckets right after the coarse grid
             grid[coarse_end:coarse_end] = ragged_decode_grid(spec, device, free, mode)
     buckets, skipped, pruned = [], [], {}
-    shapes: list = []  # each timed bucket's shape, for timing it again
     steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
     allowance = plan_allowance(mode, budget_s, max_budget_s)
     coarse: list[dict] = []
@@ -709,68 +702,17 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
                                 mode, reps)
         _add_steps(steps, timed)
         buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}), **timed})
-        shapes.append(shape)
         if level == 0 and coarse is not None and not ragged:  # pruning reads the uniform coarse grid only
             coarse.append(timed)
-    retime_end = (_counted(time.perf_counter() - t0, steps, allowance) + RETIME_SHARE * budget_s
-                  if budget_s is not None else math.inf)  # re-timing stops past its share or the budget
-    retimed = _retime_slow_host(buckets, shapes, spec, phase, device, mode, reps, steps,
-                                lambda: budget_s is not None and _counted(time.perf_counter() - t0, steps, allowance)
-                                > min(budget_s, retime_end))
+    probed = [b["host_us"] for b in buckets if b.get("host_us")]
+    for b in buckets:  # the host's speed while a bucket was timed, over the phase's fastest
+        if b.get("host_us"):
+            b["host"] = b["host_us"] / min(probed)
     wall = time.perf_counter() - t0
     return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
             "axes": list(PREFILL_AXES if phase == "prefill" else DECODE_AXES), "reps": reps, "buckets": buckets,
-            "skipped": skipped, "pruned": pruned, "retimed": retimed, "wall_s": wall,
+            "skipped": skipped, "pruned": pruned, "wall_s": wall,
             "counted_s": _counted(wall, steps, allowance), "steps_s": steps}
-
-
-def _retime_slow_host(buckets: list[dict], shapes: list, spec: AttentionSpec, phase: str, device: torch.device,
-                      mode: str, reps: int, steps: dict[str, float], spent: Callable[[], bool]) -> list[str]:
-    """Time again, with the candidates timed there, each close call (runner-up within RETIME_CLOSE of the winner)
-    whose host probe ran at least HOST_SLOW times slower than the phase's fastest (closest first, until ``spent()``:
-    the budget or re-timing's share of it is spent); a bucket keeps the timing taken on the faster host, the other
-    one's probe in "host_other_us". Then sets every bucket's "host" (its probe over the phase's fastest). Returns
-    the labels timed again. Module doc: why."""
-    from .. import backends
-
-    probed = [b["host_us"] for b in buckets if b.get("host_us")]
-    if not probed:
-        return []
-    fastest = min(probed)
-    slow = sorted((i for i, b in enumerate(buckets) if b.get("host_us") and b["host_us"] >= HOST_SLOW * fastest
-                   and _closeness(b["us"]) < RETIME_CLOSE), key=lambda i: _closeness(buckets[i]["us"]))
-    retimed = []
-    for i in slow:
-        b = buckets[i]
-        if spent():
-            log.info("%s %s: %d bucket(s) timed on a slow host (probe >= %.1fx the fastest) not timed again: the "
-                     "time budget is spent", phase, spec.describe(), len(slow) - len(retimed), HOST_SLOW)
-            break
-        names = list(b["us"]) + [n for n in b["errors"] if n not in b["us"]]
-        timed = time_bucket({n: backends.get(n) for n in names}, spec, phase, shapes[i], device, mode, reps)
-        _add_steps(steps, timed)
-        retimed.append(b["label"])
-        again = timed.get("host_us")
-        log.info("%s %s %s timed again: host probe %.2f us, %.2f us the first time (the phase's fastest %.2f us); "
-                 "keeping the %s timing", phase, spec.describe(), b["label"], again or float("nan"), b["host_us"],
-                 fastest, "second" if again and again < b["host_us"] else "first")
-        if again and again < b["host_us"]:
-            first = b["host_us"]
-            b.update(timed)
-            b["host_other_us"] = first
-        else:
-            b["host_other_us"] = again
-    fastest = min(b["host_us"] for b in buckets if b.get("host_us"))
-    for b in buckets:
-        if b.get("host_us"):
-            b["host"] = b["host_us"] / fastest
-    return retimed
-
-
-def _closeness(us: dict[str, float]) -> float:
-    """The runner-up's time over the winner's (infinity with fewer than two times)."""
-    times = sorted(t for t in us.values() if t and t > 0)
-    return times[1] / times[0] if len(times) > 1 else math.inf
 
 
 def plan_allowance(mode: str, budget_s: float | None, max_budget_s: float | None = None) -> float:

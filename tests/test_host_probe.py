@@ -1,0 +1,178 @@
+"""The eager host probe (timing.host_probe): every eager bucket and bench cell records how fast the host launched
+work while it was timed, the report says how much of a table was timed on a slow host; and the plan allowance's
+cap (first-use compiles are not counted against the timing budget).
+
+H100 2026-12-06 (bench/results/2026-12-06-round19): the host had two states, probes at 1.00-1.06x or 1.32-1.47x the
+fastest, and a bucket kept one state throughout. These tests script the probe and the bucket timings.
+"""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from rich.console import Console
+
+import attnsel.backends as backends_mod
+from attnsel import bench
+from attnsel.cache import entry_problem
+from attnsel.cli import dispatch_table
+from attnsel.selection import DispatchTable, PhaseChoice, build_table
+from attnsel.validate import timing
+from tests.test_dispatch import SPEC, TORCH, _selection
+
+GRID = [(0, (1, 256)), (0, (4, 256)), (0, (16, 256)), (2, (6, 256))]
+TIMES = {"triton": 40.0, "flashinfer": 45.0}
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """time_bucket replaced: per shape its host probe (us, or None), every candidate at TIMES; the calls listed."""
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    calls: list = []
+
+    def install(hosts: dict):
+        def fake_bucket(cands, spec, phase, shape, device, mode, reps):
+            calls.append(shape)
+            return {"us": {n: TIMES[n] for n in cands}, "spread": {n: 0.01 for n in cands}, "errors": {},
+                    "host_us": hosts[shape], "wall_s": {"samples": 1.0}}
+
+        monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+        return calls
+
+    return install
+
+
+def test_each_bucket_carries_its_host_speed_over_the_phases_fastest(scripted):
+    calls = scripted({(1, 256): 5.0, (4, 256): 7.0, (16, 256): 5.2, (6, 256): 6.5})
+    out = timing.measure(SPEC, "decode", ["triton", "flashinfer"], torch.device("cpu"), "eager", grid=GRID)
+    assert calls == [shape for _, shape in GRID]  # each bucket timed once: a slow host is recorded, not re-timed
+    host = {tuple(b["key"]): b["host"] for b in out["buckets"]}
+    assert host == {(1, 256): 1.0, (4, 256): pytest.approx(1.4), (16, 256): pytest.approx(1.04),
+                    (6, 256): pytest.approx(1.3)}
+    table = build_table(out, ["flashinfer", "triton"])
+    assert {b.label: b.host for b in table.buckets}["4x256"] == pytest.approx(1.4)
+    again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again == table
+    console = Console(width=200, record=True)
+    console.print(dispatch_table(_selection({"decode": PhaseChoice("triton", "auto", [], table)}), "decode", 200))
+    assert ("2 bucket(s) timed while the host was slow (launches >= 1.2x the phase's fastest)"
+            in " ".join(console.export_text().split()))
+
+
+def test_no_probe_no_host_speed_and_no_report_line(scripted):
+    """Graph replays and CPU timings carry no probe: no bucket gets a host factor, the report says nothing of it."""
+    scripted({shape: None for _, shape in GRID})
+    out = timing.measure(SPEC, "decode", ["triton", "flashinfer"], torch.device("cpu"), "eager", grid=GRID)
+    assert all("host" not in b for b in out["buckets"])
+    table = build_table(out, ["flashinfer", "triton"])
+    assert all(b.host is None for b in table.buckets)
+    console = Console(width=200, record=True)
+    console.print(dispatch_table(_selection({"decode": PhaseChoice("triton", "auto", [], table)}), "decode", 200))
+    assert "host was slow" not in console.export_text()
+
+
+def test_time_bucket_probes_the_host_before_each_repetition(monkeypatch):
+    """A real (CPU) bucket: one probe per repetition in eager mode, host_us their median in microseconds."""
+    probes = iter([3e-6, 1e-6, 2e-6])
+    calls = []
+
+    def probe(device):
+        calls.append(device)
+        return next(probes)
+
+    out = timing.time_bucket({"torch": TORCH}, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=3)
+    assert out["host_us"] is None and set(out["us"]) == {"torch"}  # CPU: the real probe gives None
+    monkeypatch.setattr(timing, "host_probe", probe)
+    out = timing.time_bucket({"torch": TORCH}, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=3)
+    assert len(calls) == 3 and out["host_us"] == pytest.approx(2.0)
+    calls.clear()
+    out = timing.time_bucket({}, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=3)
+    assert calls == [] and out["host_us"] is None  # nothing to time: no probe
+
+
+def test_host_probe_is_cuda_only():
+    assert timing.host_probe(torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_probe_times_a_launch_on_the_gpu():
+    seconds = timing.host_probe(torch.device("cuda"))
+    assert 1e-7 < seconds < 1e-3
+
+
+def test_bench_cells_carry_each_passs_host_probe(monkeypatch):
+    monkeypatch.setattr(bench, "QUICK_PREFILL", [[8]])
+    monkeypatch.setattr(bench, "QUICK_DECODE", [(1, 20)])
+    monkeypatch.setattr(bench, "valid_backends", lambda spec, phase, names, device: {n: "" for n in names})
+    hosts = iter([5.0, 6.0, 7.5, None])
+
+    def fake_time_bucket(cands, spec, phase, shape, device, mode, reps):
+        return {"us": {n: 10.0 for n in cands}, "spread": {n: 0.0 for n in cands}, "errors": {},
+                "host_us": next(hosts)}
+
+    monkeypatch.setattr(bench.timing, "time_bucket", fake_time_bucket)
+    cells, _, _ = bench.run_grid(SPEC, ["torch"], ["eager"], True, torch.device("cpu"),
+                                 {"copy_tbps": 1.0, "read_tbps": 1.0}, lambda m: None, repeats=2)
+    by = {c.phase: c for c in cells}  # passes: prefill 5.0, decode 6.0, prefill 7.5, decode None
+    assert by["prefill"].host_us == [5.0, 7.5] and by["decode"].host_us == [6.0, None]
+
+
+def test_the_plan_allowance_is_capped_by_the_task_timeout_not_the_budget(monkeypatch):
+    """Round 19 (H100): at 0.8 x a 22.5 s phase budget the allowance (18 s) let Triton's decode compiles (23-33 s)
+    cost 31-36 of ~115 decode buckets. The cap is 0.8 x the most a phase's budget may be (half the task timeout)."""
+    assert timing.plan_allowance("eager", 22.5) == pytest.approx(18.0)  # no cap given: the budget's
+    assert timing.plan_allowance("eager", 22.5, 300.0) == timing.PLAN_ALLOWANCE_S == 30.0
+    assert timing.plan_allowance("eager", 5.0, 10.0) == pytest.approx(8.0)  # a 20 s timeout: the phase ends by 18 s
+    assert timing.plan_allowance("graph", 22.5, 300.0) == 0.0 and timing.plan_allowance("eager", None, 300.0) == 0.0
+    from attnsel.validate import worker
+
+    seen = {}
+
+    def measure(spec, phase, names, device, mode, budget, max_budget_s=None):
+        seen.update(budget=budget, max_budget_s=max_budget_s)
+        return {"wall_s": 1.0, "counted_s": 1.0, "buckets": []}
+
+    monkeypatch.setattr(worker.timing, "measure", measure)
+    job = {"mode": "eager", "measure": {"decode": {"backends": ["torch"], "vouched": ["torch"], "budget_s": 22.5,
+                                                   "max_budget_s": 300.0}}}
+    worker.time_phase("decode", SPEC, torch.device("cpu"), job, {}, unspent_s=2.0)
+    assert seen == {"budget": 24.5, "max_budget_s": 300.0}
+
+
+def test_compiles_within_the_capped_allowance_do_not_cost_buckets(monkeypatch):
+    """measure with max_budget_s: 25 s of first-use compiles (one bucket's plans) and a 10 s budget keep every
+    bucket; with the allowance capped by the budget (0.8 x 10 s) the budget runs out after the compiles."""
+    clock = [0.0]
+    first = [True]
+
+    def bucket(cands, spec, phase, shape, device, mode, reps):
+        plans = 25.0 if first[0] else 0.1
+        first[0] = False
+        clock[0] += plans + 1.0
+        return {"us": {n: 10.0 for n in cands}, "spread": {n: 0.0 for n in cands}, "errors": {},
+                "wall_s": {"plans": plans, "samples": 1.0}}
+
+    monkeypatch.setattr(timing, "time_bucket", bucket)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    grid = [(0, (b, 16)) for b in (1, 2, 3, 4, 6, 8)]
+    out = timing.measure(SPEC, "decode", ["a"], torch.device("cpu"), "eager", budget_s=10.0, grid=grid,
+                         max_budget_s=300.0)
+    assert len(out["buckets"]) == 6 and out["skipped"] == []
+    first[0], clock[0] = True, 0.0
+    out = timing.measure(SPEC, "decode", ["a"], torch.device("cpu"), "eager", budget_s=10.0, grid=grid)
+    assert len(out["buckets"]) == 1 and len(out["skipped"]) == 5
+
+
+@pytest.mark.parametrize("field", [{"host": "fast"}, {"host_us": -1.0}, {"host": float("nan")}])
+def test_a_cached_host_probe_that_is_not_a_number_is_refused(field):
+    bucket = {"key": [1, 256], "label": "1x256", "us": {"a": 1.0}, "errors": {}, "spread": {}, "host": 1.0,
+              "host_us": 5.0}
+    measured = {"phase": "decode", "mode": "eager", "axes": ["batch", "context"], "grid_version": 6,
+                "buckets": [bucket]}
+    entry = {"kind": "dispatch", "status": "timed", "measured": measured}
+    assert entry_problem(entry) is None
+    bad = {**entry, "measured": {**measured, "buckets": [{**bucket, **field}]}}
+    assert "host probe that is not a number" in entry_problem(bad)
