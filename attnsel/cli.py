@@ -350,7 +350,7 @@ def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
                if b.host is not None and b.host >= timing.HOST_SLOW)
     if slow:  # the host's speed moves (timing's module doc): say how much of the table was timed on a slow one
         skipped += (f"; {slow} bucket(s) timed while the host was slow (launches >= {timing.HOST_SLOW:g}x the "
-                    f"phase's fastest)")
+                    f"phase's lower decile)")
     if table.ragged is not None:  # its buckets are listed after the uniform ones, labelled "ragged ..."
         cut = f", {len(table.ragged.skipped)} skipped for the time budget" if table.ragged.skipped else ""
         skipped += (f"; ragged batches (longest row >= {timing.RAGGED_SKEW:g}x the mean): "
@@ -397,7 +397,7 @@ def report_json(sel: Selection) -> dict:
     out["time_units"] = {"score_us": f"{sel.mode} us per call, geometric mean over the phase's timed buckets",
                          "dispatch.buckets.us": f"{sel.mode} us per call, median of interleaved samples",
                          "dispatch.buckets.host": "the host's launch time while the bucket was timed over the "
-                                                  "phase's fastest (eager on CUDA; null otherwise)",
+                                                  "phase's lower decile (eager on CUDA; null otherwise)",
                          "time_s": "validation wall time in seconds"}
     return out
 

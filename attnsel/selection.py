@@ -77,7 +77,8 @@ class Candidate:
 class Bucket:
     """One timed bucket of a dispatch table: its representative shape (``key``, on the table's axes), the backend
     chosen there, its time per call, and the runner-up. ``times_us``/``spread`` hold every timed candidate. ``host``:
-    the host's speed while it was timed, its probe over the phase's fastest (eager on CUDA; timing.host_probe)."""
+    the host's speed while it was timed, its probe over the phase's reference (eager on CUDA; timing.host_probe and
+    timing.host_reference)."""
 
     key: tuple[int, ...]
     label: str
@@ -1024,7 +1025,9 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
         if done and missing and not any(n in _bucket_errors(done) for n in missing):
             # validated in a worker that died before the timing job: time the phase again, all vouched for
             log.info("timing %s again: %s were validated by an earlier worker", phase, ", ".join(missing))
-            work([(timing.TIMING_TASK, phase)], {phase: {"backends": valid, "vouched": valid, "budget_s": budget_s}})
+            work([(timing.TIMING_TASK, phase)], {phase: {"backends": valid, "vouched": valid,
+                                                         "budget_s": budget_s / max(1, len(to_time)),
+                                                         "max_budget_s": (timeout or runner.default_timeout()) / 2}})
             done = measured.get(phase)
         if not done:
             continue

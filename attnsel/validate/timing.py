@@ -18,11 +18,12 @@ Timing rules (what a number in a report means):
   replays vary by 1-3% and take 7.
 - Eager: the host's speed moves. Before each repetition a host probe (``host_probe``: launches of a one-element
   add) times the host; a bucket's ``host_us`` is the median of its probes, its ``host`` that over the phase's
-  fastest (1.0: as fast as any), shown by the report. H100 2026-12-06 (bench/results/2026-12-06-round19): the host
-  had two states, probes at 1.00-1.06x or 1.32-1.47x the fastest, and a bucket kept one state throughout; in the
-  slow one every host-bound candidate slowed alike (Triton's decode at 4 x 256 46 -> 80 us, FlashInfer's 27 -> 44),
-  so the winner rarely changed. Timing a slow-host bucket again (tried in that round: up to 20% of the budget on
-  close calls) showed no gain and, with the slow state a third of the time or more, took budget from the grid.
+  reference probe (the lower decile of its buckets' ``host_us``: one lucky bucket does not make the rest look slow),
+  shown by the report. H100 2026-12-06 (bench/results/2026-12-06-round19): the probes of a phase spread from 1.0 to
+  ~1.5x its fastest, in one phase (32/8 decode) in two clusters, 1.00-1.06x and 1.32-1.47x, with every host-bound
+  candidate slowed alike in the slow one (Triton's decode at 4 x 256 46 -> 80 us, FlashInfer's 27 -> 44), so the
+  winner rarely changed. Timing slow-host buckets again (tried in that round: up to 20% of the budget on close
+  calls) showed no gain and, with slow hosts common, took budget from the grid.
 - Pruning: once the coarse grid (level 0) is timed, a candidate at least ``PRUNE`` times slower than the fastest in
   every coarse bucket is not timed on the finer levels (listed in "pruned" with its best ratio): it is unlikely to
   win there (an extrapolation from the coarse grid, not a check), and the finer grid then costs less. A finer
@@ -54,15 +55,17 @@ from .cases import clear_output, cumulative, spot_compare, spot_reference
 
 log = logging.getLogger(__name__)
 
-GRID_VERSION = 6  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
-# decode buckets in eager mode; 5: their batches 4-128, pruning on the uniform coarse grid only; 6: the eager host
-# probe per bucket, the plan allowance capped by the task timeout)
+GRID_VERSION = 7  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
+# decode buckets in eager mode; 5: their batches 4-128, pruning on the uniform coarse grid only; 6: slow-host buckets
+# timed again (commit 348b8aa only); 7: the eager host probe per bucket without re-timing, the plan allowance capped
+# by the task timeout)
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
-HOST_SLOW = 1.2  # eager: a bucket whose host probe ran this much slower than the phase's fastest was timed on a
-# slow host (the report counts them; the two states of round 19: <= 1.06x and >= 1.32x)
-HOST_PROBE_CALLS = 32  # launches per host probe (about 0.2 ms on an H200 host)
+HOST_SLOW = 1.2  # eager: a bucket whose host probe ran this much slower than the phase's reference was timed on a
+# slow host (the report counts them)
+HOST_PROBE_CALLS = 32  # launches per run of the host probe, which takes the faster of two runs (~0.4 ms in all on
+# the H100 of round 19, 5.8 us per launch)
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
 SAMPLE_S = 1e-3  # a sample lasts at least this long (CUDA event resolution is ~0.5 us)
 MAX_REPEAT = 10000  # units per sample at most
@@ -509,24 +512,28 @@ def _calibrate(item: _Timed, cursor: int, device: torch.device) -> int:
 
 def host_probe(device: torch.device) -> float | None:
     """How fast the host launches work right now: seconds per launch of a one-element add on ``device``, the least
-    of two runs of HOST_PROBE_CALLS launches after a sync (the queue empty: launches do not wait on the GPU). None
-    off CUDA. Eager calls of small batches are bound by this host time (module doc)."""
+    of two runs of HOST_PROBE_CALLS launches after a sync (the queue empty: launches do not wait on the GPU), and a
+    sync after (the next timed sample starts on an empty queue). None off CUDA. Eager calls of small batches are
+    bound by this host time (module doc)."""
     if device.type != "cuda":
         return None
-    x = _probe_tensor(device)
-    torch.cuda.synchronize(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    x = _probe_tensor(index)
+    torch.cuda.synchronize(index)
     best = math.inf
     for _ in range(2):
         t0 = time.perf_counter()
         for _ in range(HOST_PROBE_CALLS):
             x.add_(0)
         best = min(best, time.perf_counter() - t0)
+    torch.cuda.synchronize(index)
     return best / HOST_PROBE_CALLS
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_tensor(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, device=device)
+def _probe_tensor(index: int) -> torch.Tensor:
+    """The probe's one-element tensor on CUDA device ``index`` (kept: the probe must not allocate)."""
+    return torch.zeros(1, device=torch.device("cuda", index))
 
 
 def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device: torch.device, mode: str,
@@ -652,7 +659,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     of context lengths for a ragged bucket: eager decode times ragged_decode_grid's after the coarse grid). Returns a
     JSON-able dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
-    "host_us", "host" (eager on CUDA), "ragged": true on a ragged decode bucket only}],
+    "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a ragged decode bucket only}],
     "skipped": [labels], "pruned", "wall_s", "counted_s": what the budget counted of it, "steps_s": {step:
     seconds over the buckets}}``.
     """
@@ -704,15 +711,24 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
         buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}), **timed})
         if level == 0 and coarse is not None and not ragged:  # pruning reads the uniform coarse grid only
             coarse.append(timed)
-    probed = [b["host_us"] for b in buckets if b.get("host_us")]
-    for b in buckets:  # the host's speed while a bucket was timed, over the phase's fastest
+    reference = host_reference([b["host_us"] for b in buckets if b.get("host_us")])
+    for b in buckets:  # the host's speed while a bucket was timed, over the phase's reference
         if b.get("host_us"):
-            b["host"] = b["host_us"] / min(probed)
+            b["host"] = b["host_us"] / reference
     wall = time.perf_counter() - t0
     return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
             "axes": list(PREFILL_AXES if phase == "prefill" else DECODE_AXES), "reps": reps, "buckets": buckets,
             "skipped": skipped, "pruned": pruned, "wall_s": wall,
             "counted_s": _counted(wall, steps, allowance), "steps_s": steps}
+
+
+def host_reference(probes_us: list[float]) -> float | None:
+    """A phase's reference host probe: the lower decile of its buckets' probes (the least with fewer than 10), so
+    that one bucket timed in a lucky moment does not make every other look slow. None without probes."""
+    if not probes_us:
+        return None
+    ordered = sorted(probes_us)
+    return ordered[(len(ordered) - 1) // 10] if len(ordered) >= 10 else ordered[0]
 
 
 def plan_allowance(mode: str, budget_s: float | None, max_budget_s: float | None = None) -> float:
