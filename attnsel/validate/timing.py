@@ -82,7 +82,8 @@ PLAN_ALLOWANCE_S = 30.0  # eager mode, per phase: this much of the plans-and-fir
 # was then 20 s capped at half the phase's budget (~14 s), and the 28/4 and 8/1 tables lost 12 and 20 buckets to
 # compiles. Compiles are a cost of the machine's first selections, not of timing (the issue's 60 s exclude JIT
 # builds). The cap keeps a phase (budget at most half the task timeout, plus the allowance) inside the timeout. Not
-# under CUDA graphs: there the step holds the captures, paid on every bucket (13.6 s of 17.2 s with Triton's cache warm).
+# under CUDA graphs: there the step holds the captures, paid on every bucket (13.6 s of 17.2 s with Triton's cache
+# warm).
 PLAN_ALLOWANCE_SHARE = 0.8
 # H100 2026-12-06 (round 19): capped at 0.8 x the phase's budget (18 s of 22.5) the allowance let Triton's decode
 # compiles (23-33 s) cost 31-36 of ~115 decode buckets; the cap is now 0.8 x the most a phase's budget may be (half
@@ -659,7 +660,8 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     of context lengths for a ragged bucket: eager decode times ragged_decode_grid's after the coarse grid). Returns a
     JSON-able dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
-    "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a ragged decode bucket only}],
+    "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a
+    ragged decode bucket only}],
     "skipped": [labels], "pruned", "wall_s", "counted_s": what the budget counted of it, "steps_s": {step:
     seconds over the buckets}}``.
     """
