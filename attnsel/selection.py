@@ -818,7 +818,7 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     earlier in priority order); ``Selection.plan_prefill``/``plan_decode`` then pick the backend from the batch's
     shape. "priority" takes the first valid candidate for every shape; an explicit name serves every shape. In mode
     "graph" every candidate must also be captured and replayed correctly in a CUDA graph. ``budget_s``: seconds of
-    bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 45; a tight budget gives a coarser grid).
+    bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 50; a tight budget gives a coarser grid).
     With torch.distributed initialised, rank 0 decides and every rank gets the same Selection.
     Raises UnknownBackendError/ValueError for bad names and SelectionError when a phase cannot be served (its
     ``selection`` attribute holds what was found).

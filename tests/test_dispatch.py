@@ -429,7 +429,7 @@ def test_every_timed_bucket_rotates_more_than_twice_the_l2(monkeypatch, heads):
     spec = AttentionSpec(*heads, 128, "bf16", 16)
     cuda = torch.device("cuda")  # only its type is read: nothing is allocated
     item = 2
-    for _, b, c in timing.decode_grid(spec, cuda):
+    for _, b, c in timing.decode_grid(spec, cuda, sms=132):
         kv_set = 2 * b * math.ceil(c / 16) * 16 * spec.num_kv_heads * 128 * item + b * spec.num_q_heads * 128 * item
         assert timing.num_sets(kv_set, cuda) * kv_set >= 2 * (50 << 20), (b, c)
     for _, lens in timing.prefill_grid(spec, cuda):
@@ -558,7 +558,7 @@ def test_bench_grid_differs_from_the_timed_buckets():
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
     cuda = torch.device("cuda")
     timed_pre = {timing.prefill_key(lens) for _, lens in timing.prefill_grid(spec, cuda)}
-    timed_dec = {(b, c) for _, b, c in timing.decode_grid(spec, cuda)}
+    timed_dec = {(b, c) for _, b, c in timing.decode_grid(spec, cuda, sms=132)}
     pre = bench.shapes(spec, "prefill", quick=False)
     dec = bench.shapes(spec, "decode", quick=False)
     assert pre and dec and not {k for _, k, _, _ in pre} & timed_pre and not {k for _, k, _, _ in dec} & timed_dec
@@ -1276,7 +1276,7 @@ def test_a_graph_budget_cut_leaves_out_whole_batch_sizes():
     """Graph mode scores a batch size by its geometric mean over contexts; a budget cut must not leave some batch
     sizes timed at context 256 only (the review found a flat bit-reversed order doing that)."""
     cuda = torch.device("cuda")
-    grid = timing.decode_grid(AttentionSpec(32, 8, 128, "bf16", 16), cuda, mode="graph")
+    grid = timing.decode_grid(AttentionSpec(32, 8, 128, "bf16", 16), cuda, mode="graph", sms=132)
     for cut in range(1, len(grid)):
         per_batch: dict = {}
         for _, b, c in grid[:cut]:
@@ -1334,3 +1334,67 @@ def test_select_names_arguments_of_a_wrong_type(tmp_path):
             select(spec, policy="priority", cache_dir=str(tmp_path), **kwargs)
     with pytest.raises(TypeError, match=r"^spec must be an attnsel.AttentionSpec, got dict \(AttentionSpec.from_dict"):
         select({"num_q_heads": 4}, policy="priority", cache_dir=str(tmp_path))
+
+
+# ---- wave edges (grid version 8) ----
+
+def test_wave_batches_bracket_the_first_three_wave_edges():
+    """132 SMs (H100, H200): one block per (row, KV head) fills k rounds up to k x 132 / kv_heads rows."""
+    h = lambda q, kv: AttentionSpec(q, kv, 128, "bf16", 16)
+    # 28/4: edges at 33, 66, 99 rows; 32 and 64 already have 1 and 2 rounds, 91 is more than 5% below 99
+    assert timing.wave_batches(h(28, 4), 132) == [34, 67, 99, 100]
+    assert timing.wave_batches(h(32, 8), 132) == [17, 34, 49, 50]  # edges 16.5, 33, 49.5
+    assert timing.wave_batches(h(8, 1), 132) == [133]  # 264 is past the grid's 256 rows
+    assert timing.wave_batches(h(32, 8), None) == [] and timing.wave_batches(h(32, 8), 0) == []
+    for heads in ((32, 8), (28, 4), (8, 1), (32, 32), (16, 2), (64, 8)):
+        for sms in (78, 108, 114, 132, 170):
+            spec = h(*heads)
+            waves = timing.wave_batches(spec, sms)
+            assert not set(waves) & set(timing.DECODE_BATCHES) and waves == sorted(set(waves))
+            assert all(1 <= b <= timing.DECODE_BATCHES[-1] for b in waves)
+            for k in range(1, timing.WAVE_EDGES + 1):  # each edge within the grid's range has a timed value on each side
+                edge = k * sms / spec.num_kv_heads
+                if math.floor(edge) + 1 > timing.DECODE_BATCHES[-1]:
+                    break
+                rounds = lambda b: math.ceil(b * spec.num_kv_heads / sms)
+                values = sorted(set(timing.DECODE_BATCHES) | set(waves))
+                below = max(v for v in values if v <= edge)
+                above = min(v for v in values if v > edge)
+                assert rounds(below) == k and rounds(above) == k + 1, (heads, sms, k, below, above)
+                assert below >= 0.95 * math.floor(edge) and above == math.floor(edge) + 1, (heads, sms, k)
+
+
+def test_wave_batches_join_the_decode_grids_at_the_finest_level():
+    cuda = torch.device("cuda")  # only its type is read
+    spec = AttentionSpec(28, 4, 128, "bf16", 16)
+    for mode, contexts in (("eager", timing.DECODE_CTX), ("graph", timing.GRAPH_DECODE_CTX)):
+        plain = timing.decode_grid(spec, cuda, mode=mode)
+        grid = timing.decode_grid(spec, cuda, mode=mode, sms=132)
+        added = [(lvl, b, c) for lvl, b, c in grid if b not in timing.DECODE_BATCHES]
+        assert {b for _, b, _ in added} == {34, 67, 99, 100}
+        assert all(lvl == 2 for lvl, _, _ in added)
+        assert {(b, c) for _, b, c in added} == {(b, c) for b in (34, 67, 99, 100) for c in contexts
+                                                  if timing.decode_bytes(spec, b, c) <= timing.MAX_DECODE_KV_BYTES}
+        assert sorted(x for x in grid if x[1] in timing.DECODE_BATCHES) == sorted(plain)  # the rest unchanged
+        assert [x for x in grid if x[0] < 2] == [x for x in plain if x[0] < 2]  # coarser levels first, in order
+        levels = [lvl for lvl, _, _ in grid]
+        assert levels == sorted(levels)
+
+
+def test_a_wave_step_between_timed_batches_is_served_by_the_faster_kernel():
+    """Round 19's 28/4 decode at 100 x 9000 on an H100: 'w' (FA3, one block per row and KV head) led 'f'
+    (FlashInfer) by 2.5% at 91 rows (3 rounds of 132 SMs) and trailed by 0.5% at 128 (4 rounds); at 100 rows it
+    has 4 rounds and was 1.11x slower. Interpolating between 91 and 128 alone serves 'w' there; with the wave
+    batches 99 and 100 timed, 100 rows go to 'f' and 99 to 'w'."""
+    f = lambda b: 3.1 * b  # FlashInfer: time grows with the rows
+    w = lambda b: 0.975 * 3.1 * 91 / 3 * math.ceil(b * 4 / 132)  # FA3: time grows with the rounds
+    cells = lambda batches: {(b, c): {"w": w(b) * c / 4096, "f": f(b) * c / 4096} for b in batches
+                             for c in (4096, 8192)}
+    before = build_table(measured("decode", "eager", cells((64, 91, 128))), ["w", "f"])
+    assert before.backend_for((100, 6000)) == "w"  # the miss: w(100) / f(100) = 1.19
+    waves = build_table(measured("decode", "eager", cells((64, 91, 99, 100, 128))), ["w", "f"])
+    assert w(100) / f(100) > 1.1 and w(99) < f(99)
+    for b in (100, 105, 110):
+        assert waves.backend_for((b, 6000)) == "f", b
+    for b in (92, 96, 99):
+        assert waves.backend_for((b, 6000)) == "w", b

@@ -55,10 +55,10 @@ from .cases import clear_output, cumulative, spot_compare, spot_reference
 
 log = logging.getLogger(__name__)
 
-GRID_VERSION = 7  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
+GRID_VERSION = 8  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
 # decode buckets in eager mode; 5: their batches 4-128, pruning on the uniform coarse grid only; 6: slow-host buckets
 # timed again (commit 348b8aa only); 7: the eager host probe per bucket without re-timing, the plan allowance capped
-# by the task timeout)
+# by the task timeout; 8: decode batch sizes at the GPU's first three wave edges)
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
@@ -72,7 +72,8 @@ MAX_REPEAT = 10000  # units per sample at most
 ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
 MAX_SETS = 1024
 DEFAULT_L2_BYTES = 50 << 20  # H200; used when the device does not report its L2 size
-DEFAULT_BUDGET_S = 45.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S)
+DEFAULT_BUDGET_S = 50.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S); 45
+# until grid version 8 added the wave-edge batch sizes (26% more eager decode buckets at 32/8 heads on 132 SMs)
 BUDGET_ENV = "ATTNSEL_TIMING_BUDGET_S"
 PLAN_ALLOWANCE_S = 30.0  # eager mode, per phase: this much of the plans-and-first-calls step (at most
 # PLAN_ALLOWANCE_SHARE of the most a phase's budget may be) is not counted against the budget. H100, 2026-12-05
@@ -111,6 +112,16 @@ DECODE_CTX = (256, 512, 1024, 2048, 4096, 8192, 16384)
 RAGGED_DECODE_BATCHES = (4, 8, 32, 128)
 RAGGED_DECODE_MEANS = (1024, 4096)
 RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
+# Wave edges (eager and graph decode): a kernel that runs one thread block per (row, KV head) and does not split
+# the context (FA3 once the blocks fill 0.8 of the SMs) takes ceil(batch x kv_heads / SMs) rounds, so its time steps
+# up right past batch = k x SMs / kv_heads, and the sqrt(2) grid above brackets such an edge with two values on its
+# sides: the lookup's interpolation between them then credits the kernel with the lower round count. H100 2026-12-06
+# (bench/results/2026-12-06-round19, 28/4 heads, 132 SMs): FA3 with GQA packing led FlashInfer by 2.5% at 91 rows
+# (3 rounds) and trailed by 0.5% at 128 (4 rounds); at 100 rows (4 rounds) it served 1.11x slower than FlashInfer
+# (rounds 16 and 19 alike). So for the first WAVE_EDGES edges, where a round is at least a third of the time, the
+# grid holds the batch sizes on both sides of the edge (``wave_batches``): the last one with k rounds, unless a
+# grid value within 5% below it already has k rounds, and the first one with k + 1.
+WAVE_EDGES = 3
 GRAPH_DECODE_CTX = (256, 1024, 4096, 16384)  # graph mode scores a batch size over contexts: 4x steps suffice
 # (there a bucket's level is its batch size's: every batch size is timed at all four contexts together)
 MAX_DECODE_KV_BYTES = 4 << 30
@@ -185,23 +196,53 @@ def prefill_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, l
     return _coarse_first(grid, group=lambda item: len(item[1]))
 
 
+def wave_batches(spec: AttentionSpec, sms: int | None) -> list[int]:
+    """The decode batch sizes that the grid adds at the first WAVE_EDGES wave edges of a GPU with ``sms``
+    multiprocessors (see WAVE_EDGES): per edge k x sms / kv_heads the largest batch with k rounds (unless a grid
+    value within 5% below it has k rounds too) and the smallest with k + 1, within the grid's range, none of them a
+    DECODE_BATCHES value. ``sms`` None (no GPU, or unknown): none."""
+    if not sms:
+        return []
+    out = []
+    for k in range(1, WAVE_EDGES + 1):
+        edge = k * sms / spec.num_kv_heads
+        below = math.floor(edge)
+        above = below + 1
+        if above > DECODE_BATCHES[-1]:
+            break
+        if below >= 1 and not any(0.95 * below <= b <= below for b in DECODE_BATCHES):
+            out.append(below)
+        if above not in DECODE_BATCHES:
+            out.append(above)
+    return sorted(set(out))
+
+
+def device_sms(device: torch.device) -> int | None:
+    """The multiprocessor count of a CUDA device; None elsewhere."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
-                mode: str = "eager") -> list[tuple[int, int, int]]:
+                mode: str = "eager", sms: int | None = None) -> list[tuple[int, int, int]]:
     """(level, batch, context length) of the timed decode buckets, coarse grid first (graph mode: the contexts of
-    GRAPH_DECODE_CTX, a bucket's level that of its batch size). A bucket's KV cache is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a
-    sixth of it (the torch backend gathers a copy, and a server may select after loading its weights); the cells
-    left out are served by their nearest neighbour."""
+    GRAPH_DECODE_CTX, a bucket's level that of its batch size). A bucket's KV cache is at most MAX_DECODE_KV_BYTES
+    and, given the device's free memory, a sixth of it (the torch backend gathers a copy, and a server may select
+    after loading its weights); the cells left out are served by their nearest neighbour. ``sms``: the GPU's
+    multiprocessor count, which adds the batch sizes at its wave edges (``wave_batches``, finest level)."""
     if device.type != "cuda":
         return [(0, b, c) for b, c in CPU_DECODE]
     cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
     contexts = GRAPH_DECODE_CTX if mode == "graph" else DECODE_CTX
+    waves = wave_batches(spec, sms)
     grid = []
-    for b in DECODE_BATCHES:
+    for b in sorted(DECODE_BATCHES + tuple(waves)):
         for c in contexts:
             if decode_bytes(spec, b, c) <= cap:
                 # graph mode: a batch size's level only (its table scores each batch size over all its contexts)
-                level = _level(b, DECODE_BATCHES) if mode == "graph" else max(_level(b, DECODE_BATCHES),
-                                                                              _level(c, contexts))
+                batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
+                level = batch_level if mode == "graph" else max(batch_level, _level(c, contexts))
                 grid.append((level, b, c))
     return _coarse_first(grid)
 
@@ -676,7 +717,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             grid = [(lvl, lens) for lvl, lens in prefill_grid(spec, device)]
         else:
             free = _free_bytes(device)
-            grid = [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, free, mode)]
+            grid = [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, free, mode, device_sms(device))]
             coarse_end = sum(1 for lvl, _ in grid if lvl == 0)  # ragged buckets right after the coarse grid
             grid[coarse_end:coarse_end] = ragged_decode_grid(spec, device, free, mode)
     buckets, skipped, pruned = [], [], {}
