@@ -445,7 +445,10 @@ def test_grids_are_coarse_first_and_within_the_caps():
     levels = [lvl for lvl, _, _ in dec]
     assert levels == sorted(levels) and levels[0] == 0
     coarse = {(b, c) for lvl, b, c in dec if lvl == 0}
-    assert (1, 256) in coarse and (256, 256) in coarse and (1, 16384) in coarse  # both ends of every axis
+    first, last = timing.DECODE_CTX[0], timing.DECODE_CTX[-1]
+    assert (1, first) in coarse and (256, first) in coarse and (1, last) in coarse  # both ends of every axis
+    assert timing.DECODE_CTX == (288, 544, 1056, 2080, 4128, 8224, 16416)  # half a 64-token tile past a power of 2
+    assert {c for lvl, _, c in dec if lvl == 0} == {288, 1056, 4128, 16416}  # every other one and both ends
     assert all(timing.decode_bytes(spec, b, c) <= timing.MAX_DECODE_KV_BYTES for _, b, c in dec)
     assert all(sum(lens) <= timing.MAX_PREFILL_TOKENS for _, lens in timing.prefill_grid(spec, cuda))
 

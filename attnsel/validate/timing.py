@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 GRID_VERSION = 8  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
 # decode buckets in eager mode; 5: their batches 4-128, pruning on the uniform coarse grid only; 6: slow-host buckets
 # timed again (commit 348b8aa only); 7: the eager host probe per bucket without re-timing, the plan allowance capped
-# by the task timeout; 8: decode batch sizes at the GPU's first three wave edges)
+# by the task timeout; 8: decode batch sizes at the GPU's first three wave edges, eager decode contexts a power of two
+# plus half a 64-token tile)
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
@@ -103,7 +104,15 @@ PREFILL_LENS = (72, 102, 144, 204, 288, 407, 576, 815, 1152, 1629, 2304, 3258, 4
 PREFILL_RAGGED = ([2048] + [64] * 15, [4096] + [256] * 7)  # one long prompt among short ones (chunked prefill)
 MAX_PREFILL_TOKENS = 32768
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
-DECODE_CTX = (256, 512, 1024, 2048, 4096, 8192, 16384)
+# Eager decode contexts end half-way into a 64-token tile (a power of two plus 32), as a context drawn at random does
+# on average: contexts of whole tiles flattered the kernels that work in whole tiles. H100 2026-12-06 (round 19 and
+# bench/results/2026-12-06-round20): at 32/8 heads Triton (64-token blocks) led the CUDA-core FlashInfer (16-token
+# pages) by 2-5% at 181 and 256 rows x 256 tokens, and at 200 x 200 (four blocks for 12.5 pages' worth) it served
+# 1.11x slower than that FlashInfer; the shortest context was the grid's clamp for every shorter one. The levels are
+# those of the powers of two (DECODE_CTX_POW2).
+DECODE_CTX_POW2 = (256, 512, 1024, 2048, 4096, 8192, 16384)
+DECODE_TILE_TAIL = 32
+DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
 # Ragged decode buckets (eager mode): batches whose rows' contexts spread from 1/16 to 4 times their mean (longest
 # row 3.0-4.2x the mean), timed as a sub-table keyed like the uniform one (batch, mean context) and used for batches
 # of similar skew (longest row at least RAGGED_SKEW times the mean) near the timed ones (selection.DispatchTable.
@@ -238,11 +247,12 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
     waves = wave_batches(spec, sms)
     grid = []
     for b in sorted(DECODE_BATCHES + tuple(waves)):
-        for c in contexts:
+        for i, c in enumerate(contexts):
             if decode_bytes(spec, b, c) <= cap:
                 # graph mode: a batch size's level only (its table scores each batch size over all its contexts)
                 batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
-                level = batch_level if mode == "graph" else max(batch_level, _level(c, contexts))
+                level = batch_level if mode == "graph" else max(batch_level,
+                                                                _level(DECODE_CTX_POW2[i], DECODE_CTX_POW2))
                 grid.append((level, b, c))
     return _coarse_first(grid)
 
