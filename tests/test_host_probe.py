@@ -162,7 +162,10 @@ def test_the_plan_allowance_is_capped_by_the_task_timeout_not_the_budget(monkeyp
     assert timing.plan_allowance("eager", 22.5) == pytest.approx(18.0)  # no cap given: the budget's
     assert timing.plan_allowance("eager", 22.5, 300.0) == timing.PLAN_ALLOWANCE_S == 30.0
     assert timing.plan_allowance("eager", 5.0, 10.0) == pytest.approx(8.0)  # a 20 s timeout: the phase ends by 18 s
-    assert timing.plan_allowance("graph", 22.5, 300.0) == 0.0 and timing.plan_allowance("eager", None, 300.0) == 0.0
+    # graph mode too (grid version 8): Triton compiles its graph variant inside the capture (round 20: 26 and 35
+    # graph decode buckets lost to a cold Triton cache)
+    assert timing.plan_allowance("graph", 22.5, 300.0) == timing.PLAN_ALLOWANCE_S
+    assert timing.plan_allowance("eager", None, 300.0) == 0.0 == timing.plan_allowance("graph", None, 300.0)
     from attnsel.validate import worker
 
     seen = {}

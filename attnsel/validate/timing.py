@@ -76,16 +76,20 @@ DEFAULT_L2_BYTES = 50 << 20  # H200; used when the device does not report its L2
 DEFAULT_BUDGET_S = 50.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S); 45
 # until grid version 8 added the wave-edge batch sizes (26% more eager decode buckets at 32/8 heads on 132 SMs)
 BUDGET_ENV = "ATTNSEL_TIMING_BUDGET_S"
-PLAN_ALLOWANCE_S = 30.0  # eager mode, per phase: this much of the plans-and-first-calls step (at most
+PLAN_ALLOWANCE_S = 30.0  # per phase: this much of the plans-and-first-calls step (at most
 # PLAN_ALLOWANCE_SHARE of the most a phase's budget may be) is not counted against the budget. H100, 2026-12-05
 # (bench/results/2026-12-05-round14): on an empty Triton kernel cache that step took 15.4 s in decode (Triton
 # compiling; 1.4 s with the cache warm) and the eager table got 75 of 106 decode buckets. H200, 2026-12-06 (round
 # 18): with the ragged decode buckets (more split counts: more Triton variants) the step took 18-29 s, the allowance
 # was then 20 s capped at half the phase's budget (~14 s), and the 28/4 and 8/1 tables lost 12 and 20 buckets to
 # compiles. Compiles are a cost of the machine's first selections, not of timing (the issue's 60 s exclude JIT
-# builds). The cap keeps a phase (budget at most half the task timeout, plus the allowance) inside the timeout. Not
-# under CUDA graphs: there the step holds the captures, paid on every bucket (13.6 s of 17.2 s with Triton's cache
-# warm).
+# builds). The cap keeps a phase (budget at most half the task timeout, plus the allowance) inside the timeout.
+# Under CUDA graphs the step also holds the captures, and Triton compiles its graph variant inside the capture, so
+# the two cannot be told apart: until grid version 8 graph mode had no allowance, and on an H100 whose Triton cache
+# lacked the graph variants (2026-12-06, bench/results/2026-12-06-round20/4-graph-again) decode's step took
+# 29.6-33.2 s (6.9-9.2 s with the cache warm, run 2 there) and the graph tables lost 2, 26 and 35 of their 76, 78 and
+# 68 decode buckets (32/8, 28/4, 8/1). Now the allowance covers it in both modes: captures on a warm cache (7-9 s
+# a phase) go uncounted too.
 PLAN_ALLOWANCE_SHARE = 0.8
 # H100 2026-12-06 (round 19): capped at 0.8 x the phase's budget (18 s of 22.5) the allowance let Triton's decode
 # compiles (23-33 s) cost 31-36 of ~115 decode buckets; the cap is now 0.8 x the most a phase's budget may be (half
@@ -704,12 +708,12 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     """Time the candidates ``names`` of one phase on every bucket of the phase's grid, interleaved (module doc).
 
     Buckets go coarse grid first; once ``budget_s`` seconds are spent the remaining buckets are skipped (listed in
-    "skipped"), so a tight budget gives a coarser table, never a missing range. In eager mode up to
-    ``plan_allowance`` of the candidates' plans and first calls (first-use compiles) is not counted
-    (``max_budget_s``: the most a phase's budget may be, half the worker's task timeout). ``grid``:
-    (level, shape) items instead of the phase's grid (prefill: sequence lengths; decode: (batch, context), or a list
-    of context lengths for a ragged bucket: eager decode times ragged_decode_grid's after the coarse grid). Returns a
-    JSON-able dict:
+    "skipped"), so a tight budget gives a coarser table, never a missing range. Up to ``plan_allowance`` of the
+    candidates' plans and first calls (first-use compiles; under CUDA graphs also the captures) is not counted
+    (``max_budget_s``: the most a phase's budget may be, half the worker's task timeout). ``grid``: (level, shape)
+    items instead of the phase's grid (prefill: sequence lengths; decode: (batch, context), or a list of context
+    lengths for a ragged bucket: eager decode times ragged_decode_grid's after the coarse grid). Returns a JSON-able
+    dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
     "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a
     ragged decode bucket only}],
@@ -789,7 +793,8 @@ def plan_allowance(mode: str, budget_s: float | None, max_budget_s: float | None
     PLAN_ALLOWANCE_SHARE of the most a phase's budget may be (``max_budget_s``, half the task timeout; else the
     budget itself), so that a phase ends within its task's timeout."""
     cap = max_budget_s if max_budget_s else budget_s
-    return min(PLAN_ALLOWANCE_S, PLAN_ALLOWANCE_SHARE * cap) if mode == "eager" and budget_s else 0.0
+    del mode  # both launch modes (module doc: PLAN_ALLOWANCE_S)
+    return min(PLAN_ALLOWANCE_S, PLAN_ALLOWANCE_SHARE * cap) if budget_s else 0.0
 
 
 def _counted(elapsed: float, steps: dict[str, float], allowance: float) -> float:
