@@ -449,7 +449,14 @@ def test_grids_are_coarse_first_and_within_the_caps():
     assert (1, first) in coarse and (256, first) in coarse and (1, last) in coarse  # both ends of every axis
     assert timing.DECODE_CTX == (288, 544, 1056, 2080, 4128, 8224, 16416)  # half a 64-token tile past a power of 2
     assert {c for lvl, _, c in dec if lvl == 0} == {288, 1056, 4128, 16416}  # every other one and both ends
-    assert all(timing.decode_bytes(spec, b, c) <= timing.MAX_DECODE_KV_BYTES for _, b, c in dec)
+    base = dict(zip(timing.DECODE_CTX, timing.DECODE_CTX_POW2))  # the cap goes by the power of two below
+    assert all(timing.decode_bytes(spec, b, base[c]) <= timing.MAX_DECODE_KV_BYTES for _, b, c in dec)
+    # every bucket the power-of-two grid had under the cap is there, 32 tokens on (the review found 64 x 16384,
+    # 128 x 8192 and 256 x 4096 pushed over the 4 GiB cap by the half tile)
+    pow2 = {(b, p) for b in timing.DECODE_BATCHES for p in timing.DECODE_CTX_POW2
+            if timing.decode_bytes(spec, b, p) <= timing.MAX_DECODE_KV_BYTES}
+    assert {(b, c - timing.DECODE_TILE_TAIL) for _, b, c in dec} == pow2
+    assert {(64, 16416), (128, 8224), (256, 4128)} <= {(b, c) for _, b, c in dec}
     assert all(sum(lens) <= timing.MAX_PREFILL_TOKENS for _, lens in timing.prefill_grid(spec, cuda))
 
 
@@ -732,7 +739,7 @@ def test_decode_grid_shrinks_with_free_memory():
     full = timing.decode_grid(spec, cuda)
     small = timing.decode_grid(spec, cuda, free_bytes=6 << 30)  # 6 GiB free: KV sets of at most 1 GiB
     assert len(small) < len(full)
-    assert all(timing.decode_bytes(spec, b, c) <= 1 << 30 for _, b, c in small)
+    assert all(timing.decode_bytes(spec, b, c - timing.DECODE_TILE_TAIL) <= 1 << 30 for _, b, c in small)
     assert {(b, c) for _, b, c in small} <= {(b, c) for _, b, c in full}
 
 
@@ -1402,3 +1409,25 @@ def test_a_wave_step_between_timed_batches_is_served_by_the_faster_kernel():
         assert waves.backend_for((b, 6000)) == "f", b
     for b in (92, 96, 99):
         assert waves.backend_for((b, 6000)) == "w", b
+
+
+def test_measure_times_the_wave_batches_of_the_device(monkeypatch):
+    """measure builds the decode grid with the device's multiprocessor count (a grid without it would drop the wave
+    batches unnoticed: the review's surviving mutation)."""
+    seen = []
+
+    def fake_bucket(cands, spec, phase, shape, device, mode, reps):
+        seen.append(shape)
+        return {"us": {n: 1.0 for n in cands}, "spread": {n: 0.0 for n in cands}, "errors": {}}
+
+    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+    monkeypatch.setattr(timing, "_free_bytes", lambda device: None)
+    monkeypatch.setattr(timing, "device_sms", lambda device: 132)
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    for mode in ("eager", "graph"):
+        seen.clear()
+        timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), mode)
+        batches = {s[0] for s in seen if isinstance(s, tuple)}
+        assert {17, 34, 49, 50} <= batches, mode
+        assert batches == set(timing.DECODE_BATCHES) | {17, 34, 49, 50}

@@ -111,9 +111,10 @@ DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
 # Eager decode contexts end half-way into a 64-token tile (a power of two plus 32), as a context drawn at random does
 # on average: contexts of whole tiles flattered the kernels that work in whole tiles. H100 2026-12-06 (round 19 and
 # bench/results/2026-12-06-round20): at 32/8 heads Triton (64-token blocks) led the CUDA-core FlashInfer (16-token
-# pages) by 2-5% at 181 and 256 rows x 256 tokens, and at 200 x 200 (four blocks for 12.5 pages' worth) it served
-# 1.11x slower than that FlashInfer; the shortest context was the grid's clamp for every shorter one. The levels are
-# those of the powers of two (DECODE_CTX_POW2).
+# pages) by 2-5% at 181 rows x 256 tokens (at 256 rows the two were within 1-6% either way), and at 200 x 200 (four
+# blocks for 12.5 pages' worth) it served 1.11x slower than that FlashInfer; the shortest context was the grid's
+# clamp for every shorter one. Levels and the memory cap go by the powers of two (DECODE_CTX_POW2). Graph mode's
+# contexts (GRAPH_DECODE_CTX) stay whole powers of two: not measured with the half tiles.
 DECODE_CTX_POW2 = (256, 512, 1024, 2048, 4096, 8192, 16384)
 DECODE_TILE_TAIL = 32
 DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
@@ -240,8 +241,8 @@ def device_sms(device: torch.device) -> int | None:
 def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
                 mode: str = "eager", sms: int | None = None) -> list[tuple[int, int, int]]:
     """(level, batch, context length) of the timed decode buckets, coarse grid first (graph mode: the contexts of
-    GRAPH_DECODE_CTX, a bucket's level that of its batch size). A bucket's KV cache is at most MAX_DECODE_KV_BYTES
-    and, given the device's free memory, a sixth of it (the torch backend gathers a copy, and a server may select
+    GRAPH_DECODE_CTX, a bucket's level that of its batch size). A bucket's KV cache (eager: at the power of two
+    below its context) is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it (the torch backend gathers a copy, and a server may select
     after loading its weights); the cells left out are served by their nearest neighbour. ``sms``: the GPU's
     multiprocessor count, which adds the batch sizes at its wave edges (``wave_batches``, finest level)."""
     if device.type != "cuda":
@@ -252,7 +253,9 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
     grid = []
     for b in sorted(DECODE_BATCHES + tuple(waves)):
         for i, c in enumerate(contexts):
-            if decode_bytes(spec, b, c) <= cap:
+            # the cap applies to the power of two below an eager context: its 32 tokens past it (under 1%) would push
+            # every bucket that sits exactly at the 4 GiB cap out of the grid (64 x 16384, 128 x 8192, 256 x 4096)
+            if decode_bytes(spec, b, DECODE_CTX_POW2[i] if mode != "graph" else c) <= cap:
                 # graph mode: a batch size's level only (its table scores each batch size over all its contexts)
                 batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
                 level = batch_level if mode == "graph" else max(batch_level,
@@ -311,7 +314,7 @@ def prefill_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[s
 
 def decode_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, int, int]]:
     """(label, batch, context length) of the (eager) decode grid."""
-    return [(f"{b}x{c}", b, c) for _, b, c in decode_grid(spec, device)]
+    return [(f"{b}x{c}", b, c) for _, b, c in decode_grid(spec, device, sms=device_sms(device))]
 
 
 def make_prefill_workload(spec: AttentionSpec, device: torch.device, label: str, lens: list[int]) -> Workload:
