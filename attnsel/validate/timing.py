@@ -242,8 +242,9 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
                 mode: str = "eager", sms: int | None = None) -> list[tuple[int, int, int]]:
     """(level, batch, context length) of the timed decode buckets, coarse grid first (graph mode: the contexts of
     GRAPH_DECODE_CTX, a bucket's level that of its batch size). A bucket's KV cache (eager: at the power of two
-    below its context) is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it (the torch backend gathers a copy, and a server may select
-    after loading its weights); the cells left out are served by their nearest neighbour. ``sms``: the GPU's
+    below its context) is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it (the torch
+    backend gathers a copy, and a server may select after loading its weights); the cells left out are served by
+    their nearest neighbour. ``sms``: the GPU's
     multiprocessor count, which adds the batch sizes at its wave edges (``wave_batches``, finest level)."""
     if device.type != "cuda":
         return [(0, b, c) for b, c in CPU_DECODE]
@@ -739,7 +740,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             grid[coarse_end:coarse_end] = ragged_decode_grid(spec, device, free, mode)
     buckets, skipped, pruned = [], [], {}
     steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
-    allowance = plan_allowance(mode, budget_s, max_budget_s)
+    allowance = plan_allowance(budget_s, max_budget_s)
     coarse: list[dict] = []
     for level, shape in grid:
         ragged = phase == "decode" and isinstance(shape, list)  # a decode batch's context lengths
@@ -791,12 +792,12 @@ def host_reference(probes_us: list[float]) -> float | None:
     return ordered[(len(ordered) - 1) // 10] if len(ordered) >= 10 else ordered[0]
 
 
-def plan_allowance(mode: str, budget_s: float | None, max_budget_s: float | None = None) -> float:
+def plan_allowance(budget_s: float | None, max_budget_s: float | None = None) -> float:
     """Seconds of a phase's plans and first calls that its budget does not count: PLAN_ALLOWANCE_S, at most
     PLAN_ALLOWANCE_SHARE of the most a phase's budget may be (``max_budget_s``, half the task timeout; else the
-    budget itself), so that a phase ends within its task's timeout."""
+    budget itself), so that a phase ends within its task's timeout. Both launch modes (module doc:
+    PLAN_ALLOWANCE_S)."""
     cap = max_budget_s if max_budget_s else budget_s
-    del mode  # both launch modes (module doc: PLAN_ALLOWANCE_S)
     return min(PLAN_ALLOWANCE_S, PLAN_ALLOWANCE_SHARE * cap) if budget_s else 0.0
 
 
