@@ -1409,25 +1409,3 @@ def test_a_wave_step_between_timed_batches_is_served_by_the_faster_kernel():
         assert waves.backend_for((b, 6000)) == "f", b
     for b in (92, 96, 99):
         assert waves.backend_for((b, 6000)) == "w", b
-
-
-def test_measure_times_the_wave_batches_of_the_device(monkeypatch):
-    """measure builds the decode grid with the device's multiprocessor count (a grid without it would drop the wave
-    batches unnoticed: the review's surviving mutation)."""
-    seen = []
-
-    def fake_bucket(cands, spec, phase, shape, device, mode, reps):
-        seen.append(shape)
-        return {"us": {n: 1.0 for n in cands}, "spread": {n: 0.0 for n in cands}, "errors": {}}
-
-    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
-    monkeypatch.setattr(timing, "_free_bytes", lambda device: None)
-    monkeypatch.setattr(timing, "device_sms", lambda device: 132)
-    monkeypatch.setattr(backends_mod, "get", lambda name: name)
-    spec = AttentionSpec(32, 8, 128, "bf16", 16)
-    for mode in ("eager", "graph"):
-        seen.clear()
-        timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), mode)
-        batches = {s[0] for s in seen if isinstance(s, tuple)}
-        assert {17, 34, 49, 50} <= batches, mode
-        assert batches == set(timing.DECODE_BATCHES) | {17, 34, 49, 50}

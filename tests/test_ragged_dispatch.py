@@ -70,9 +70,13 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
 
     monkeypatch.setattr(timing, "time_bucket", fake_bucket)
     monkeypatch.setattr(timing, "_free_bytes", lambda device: None)
+    monkeypatch.setattr(timing, "device_sms", lambda device: 132)  # measure adds the device's wave batches
     monkeypatch.setattr(backends_mod, "get", lambda name: name)
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    waves = {17, 34, 49, 50}  # 32/8 on 132 SMs (tests/test_dispatch.py::test_wave_batches_bracket_...)
     out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "eager")
+    # a grid built without the SM count would drop them unnoticed (the review's surviving mutation, grid version 8)
+    assert {s[0] for s in seen if isinstance(s, tuple)} == set(timing.DECODE_BATCHES) | waves
     coarse = sum(1 for lvl, _, _ in timing.decode_grid(spec, torch.device("cuda")) if lvl == 0)
     ragged = [lens for _, lens in timing.ragged_decode_grid(spec, torch.device("cuda"))]
     assert seen[coarse:coarse + len(ragged)] == ragged
@@ -86,6 +90,7 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
     seen.clear()  # graph mode: no ragged buckets (a graph is keyed by its batch size alone)
     out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "graph")
     assert all(isinstance(s, tuple) for s in seen) and not any(b.get("ragged") for b in out["buckets"])
+    assert {s[0] for s in seen} == set(timing.DECODE_BATCHES) | waves
 
 
 def test_a_ragged_batch_is_served_by_the_ragged_buckets():
