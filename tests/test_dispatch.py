@@ -1363,7 +1363,7 @@ def test_wave_batches_bracket_the_first_three_wave_edges():
             waves = timing.wave_batches(spec, sms)
             assert not set(waves) & set(timing.DECODE_BATCHES) and waves == sorted(set(waves))
             assert all(1 <= b <= timing.DECODE_BATCHES[-1] for b in waves)
-            for k in range(1, timing.WAVE_EDGES + 1):  # each edge within the grid's range has a timed value on each side
+            for k in range(1, timing.WAVE_EDGES + 1):  # a timed value on each side of each edge
                 edge = k * sms / spec.num_kv_heads
                 if math.floor(edge) + 1 > timing.DECODE_BATCHES[-1]:
                     break
@@ -1378,14 +1378,15 @@ def test_wave_batches_bracket_the_first_three_wave_edges():
 def test_wave_batches_join_the_decode_grids_at_the_finest_level():
     cuda = torch.device("cuda")  # only its type is read
     spec = AttentionSpec(28, 4, 128, "bf16", 16)
-    for mode, contexts in (("eager", timing.DECODE_CTX), ("graph", timing.GRAPH_DECODE_CTX)):
+    for mode, contexts, bases in (("eager", timing.DECODE_CTX, timing.DECODE_CTX_POW2),
+                                  ("graph", timing.GRAPH_DECODE_CTX, timing.GRAPH_DECODE_CTX)):
         plain = timing.decode_grid(spec, cuda, mode=mode)
         grid = timing.decode_grid(spec, cuda, mode=mode, sms=132)
         added = [(lvl, b, c) for lvl, b, c in grid if b not in timing.DECODE_BATCHES]
         assert {b for _, b, _ in added} == {34, 67, 99, 100}
         assert all(lvl == 2 for lvl, _, _ in added)
-        assert {(b, c) for _, b, c in added} == {(b, c) for b in (34, 67, 99, 100) for c in contexts
-                                                  if timing.decode_bytes(spec, b, c) <= timing.MAX_DECODE_KV_BYTES}
+        assert {(b, c) for _, b, c in added} == {(b, c) for b in (34, 67, 99, 100) for c, p in zip(contexts, bases)
+                                                  if timing.decode_bytes(spec, b, p) <= timing.MAX_DECODE_KV_BYTES}
         assert sorted(x for x in grid if x[1] in timing.DECODE_BATCHES) == sorted(plain)  # the rest unchanged
         assert [x for x in grid if x[0] < 2] == [x for x in plain if x[0] < 2]  # coarser levels first, in order
         levels = [lvl for lvl, _, _ in grid]

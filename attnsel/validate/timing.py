@@ -249,18 +249,17 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
     if device.type != "cuda":
         return [(0, b, c) for b, c in CPU_DECODE]
     cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
-    contexts = GRAPH_DECODE_CTX if mode == "graph" else DECODE_CTX
+    # each context with its power of two (eager: 32 tokens below it), which the levels and the cap go by: the half
+    # tile (under 1%) would push every bucket that sits exactly at the 4 GiB cap out of the grid (64 x 16384, ...)
+    contexts, bases = (GRAPH_DECODE_CTX, GRAPH_DECODE_CTX) if mode == "graph" else (DECODE_CTX, DECODE_CTX_POW2)
     waves = wave_batches(spec, sms)
     grid = []
     for b in sorted(DECODE_BATCHES + tuple(waves)):
-        for i, c in enumerate(contexts):
-            # the cap applies to the power of two below an eager context: its 32 tokens past it (under 1%) would push
-            # every bucket that sits exactly at the 4 GiB cap out of the grid (64 x 16384, 128 x 8192, 256 x 4096)
-            if decode_bytes(spec, b, DECODE_CTX_POW2[i] if mode != "graph" else c) <= cap:
+        for c, base in zip(contexts, bases):
+            if decode_bytes(spec, b, base) <= cap:
                 # graph mode: a batch size's level only (its table scores each batch size over all its contexts)
                 batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
-                level = batch_level if mode == "graph" else max(batch_level,
-                                                                _level(DECODE_CTX_POW2[i], DECODE_CTX_POW2))
+                level = batch_level if mode == "graph" else max(batch_level, _level(base, bases))
                 grid.append((level, b, c))
     return _coarse_first(grid)
 
