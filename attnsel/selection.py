@@ -919,7 +919,11 @@ def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
     versions: dict[tuple[str, str], dict | None] = {}
     for phase in PHASES:
         for name in names[phase]:
-            reason, identity = backends.availability(backends.get(name), spec, phase, torch.device(device))
+            backend = backends.get(name)
+            reason, identity = backends.availability(backend, spec, phase, torch.device(device))
+            stale = backends.graph_stale_reason(backend, phase) if mode == "graph" and not reason else None
+            if stale:
+                reason = f"cannot serve CUDA-graph replays: {stale}"
             if reason:
                 found[(name, phase)] = Candidate(name, "unavailable", reason)
             else:

@@ -34,7 +34,7 @@ BUILTINS: dict[str, str] = {
     "flashinfer_cuda_cores": "attnsel.backends.flashinfer:BACKEND_CUDA_CORES",
     "triton": "attnsel.backends.triton:BACKEND",
     "torch": "attnsel.backends.torch_sdpa:BACKEND",
-    # library variants whose speed differs by shape (issue 10 item 3)
+    # library variants whose speed differs by shape
     "fa3_packgqa": "attnsel.backends.fa3:BACKEND_PACKGQA",
     "fa3_split": "attnsel.backends.fa3:BACKEND_SPLIT",
     "flashinfer_fa2": "attnsel.backends.flashinfer:BACKEND_FA2",
@@ -75,7 +75,9 @@ class Backend(Protocol):
     transformers integration) then plan again instead of calling a stale plan.
     Optional attributes: ``version`` (str or callable; part of the cache key, with a hash of the source file of the
     backend's module), ``first_use_note`` (str shown while a slow first use runs, e.g. a JIT build),
-    ``report_extras()`` (dict of facts for reports, e.g. a JIT cache path), ``decode_takes_b1hd`` (True when
+    ``report_extras()`` (dict of facts for reports, e.g. a JIT cache path), ``graph_stale`` ({phase: reason} for
+    the phases whose run, captured in a CUDA graph, would not read the engine's in-place metadata updates at replay:
+    the CUDA-graph contract, validate/graph_replay.py), ``decode_takes_b1hd`` (True when
     plan_decode's run also takes q as FlashAttention's ``[batch, 1, num_q_heads, head_dim]`` and then returns out in
     that shape: the FA-compatible decode then passes q as it comes, without two views per call). The parent reads
     all of them through ``availability``, ``first_use_note``, ``report_extras`` and ``decode_takes_b1hd`` below,
@@ -308,6 +310,18 @@ def decode_takes_b1hd(backend: Backend) -> bool:
 
 
 _B1HD_RAISED: set[str] = set()
+
+
+def graph_stale_reason(backend: Backend, phase: str) -> str | None:
+    """Why a run of this backend captured in a CUDA graph would replay the metadata its plan copied instead of the
+    engine's updated tensors (its optional ``graph_stale`` attribute: {phase: reason}), or None. A plugin without the
+    attribute is not trusted on its word: validation in graph mode replays it after in-place updates either way."""
+    try:
+        stale = getattr(backend, "graph_stale", None) or {}
+        reason = stale.get(phase) if isinstance(stale, dict) else None
+    except Exception as exc:
+        return f"its graph_stale attribute raised {type(exc).__name__}: {exc}"
+    return str(reason) if reason else None
 
 
 def report_extras(backend: Backend) -> dict:

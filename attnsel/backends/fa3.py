@@ -26,7 +26,8 @@ import torch
 from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
-from .support import capability_reason, capturing, dtype_reason, feature_reasons, joined
+from .support import (capability_reason, capturing, dtype_reason, feature_reasons, joined, live_int32,
+                      refresh_captured)
 
 # FA3 compiles kernels for these head_dim bins; a head_dim runs in the smallest bin that holds it.
 _HDIM_BINS = (64, 96, 128, 192, 256)
@@ -132,13 +133,14 @@ class FA3Backend:
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn:
         import flash_attn_interface  # noqa: F401  registers torch.ops.flash_attn_3
 
-        cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        (cu_q, refresh_q), (cu_k, refresh_k) = live_int32(cu_seqlens_q), live_int32(cu_seqlens_k)
         scale, causal, window = spec.scale, spec.causal, _window(spec)
         softcap = spec.softcap or 0.0
         pack_gqa, splits = self.pack_gqa, self.prefill_splits
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
                 ) -> torch.Tensor:
+            refresh_captured((refresh_q, refresh_k), q)
             return _fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window=window,
                         softcap=softcap, num_splits=splits, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks))
@@ -148,19 +150,14 @@ class FA3Backend:
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         import flash_attn_interface  # noqa: F401  registers torch.ops.flash_attn_3
 
-        page_table = page_table.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
+        (page_table, refresh_table), (lens, refresh_lens) = live_int32(page_table, rows=True), live_int32(seq_lens)
         batch = lens.numel()
         # No precomputed scheduler metadata (get_scheduler_metadata): it holds a tile counter that every run of the
         # plan shares and resets, i.e. mutable device state. Without it every run prepares its own (one small kernel
-        # more per call), so runs of one plan share nothing. (The wrong FA3 outputs seen on the H200 under graph
-        # replay with metadata came from the timing harness freeing the plan while its graph was replayed, since
-        # fixed in validate/timing.py; the metadata itself was not shown to be wrong.)
-        # zero-length rows (CUDA-graph padding) get zeros: a mask only when the plan has such rows (read on the
-        # host), or always during capture, where a host read is not allowed (a replay may bring such rows)
-        empty_rows = (lens == 0)[:, None, None] if batch else None  # [B, 1, 1]
-        if empty_rows is not None and not capturing(lens):
-            empty_rows = empty_rows if bool(empty_rows.any()) else None
+        # more per call), so runs of one plan share nothing.
+        # zero-length rows (CUDA-graph padding) get zeros: masked eagerly only when the plan has such rows (read on
+        # the host); a run being captured masks from the lengths of each replay (a replay may bring such rows)
+        has_empty = bool(batch) and (capturing(lens) or bool((lens == 0).any()))
         scale, window, softcap = spec.scale, _window(spec), spec.softcap or 0.0
         fp8 = spec.kv_dtype is not None
         pack_gqa, kvh = self.pack_gqa, spec.num_kv_heads
@@ -169,6 +166,7 @@ class FA3Backend:
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
             # q [B, H, D], or [B, 1, H, D] (FA3's own layout, decode_takes_b1hd): out in q's layout
             b1hd = q.dim() == 4
+            refresh_captured((refresh_table, refresh_lens), q)
             descale = {}
             if fp8:
                 if k_scale is None or v_scale is None:
@@ -187,8 +185,9 @@ class FA3Backend:
                 out = out.squeeze(1)
             if out.dtype != q.dtype:  # fp8 inputs give bf16
                 out = out.to(q.dtype)
-            if empty_rows is not None:  # zero-length rows (CUDA-graph padding) are zeros by contract
-                out = out.masked_fill(empty_rows[:, None] if b1hd else empty_rows, 0.0)
+            if batch and (has_empty or capturing(q)):  # zero-length rows (CUDA-graph padding) are zeros
+                empty_rows = (lens == 0).view(batch, *([1] * (out.dim() - 1)))
+                out = out.masked_fill(empty_rows, 0.0)
             return out
 
         return run

@@ -190,6 +190,10 @@ class HostScalar:
         return self._value
 
 
+GRAPH_STALE = ("its plan copies the lengths and page ids into its own buffers and splits the work on the host: a "
+               "replay after the engine updates them in place would compute the old batch")
+
+
 class FlashInferBackend:
     def __init__(self, name: str, *, phases: tuple[str, ...], prefill_template: str = "auto",
                  decode_kind: str = "decode_tc", decode_template: str = "auto", hopper_only: bool = False,
@@ -201,6 +205,10 @@ class FlashInferBackend:
         self.decode_template = decode_template
         self.hopper_only = hopper_only  # the variant differs from `same_as` only on Hopper
         self.same_as = same_as
+        # FlashInfer's plan() turns the lengths and page ids into its own index buffers and work partition on the
+        # host; a graph replays those. (FlashInfer's own graph mode calls plan() before every replay: attnsel's
+        # contract has nothing called between replays.)
+        self.graph_stale = {phase: GRAPH_STALE for phase in phases}
         self.first_use_note = ("first use JIT-compiles kernels: about 2 minutes on a fresh machine"
                                if decode_kind == "decode_tc" or "prefill" in phases else
                                "first use JIT-compiles kernels: about 20 s on a fresh machine")

@@ -33,7 +33,8 @@ from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
 from .flashinfer import _no_sinks, _sinks_arg, _window_left, jit_cache_dir, workspace_bytes
-from .support import capability_reason, capturing, dtype_reason, feature_reasons, joined
+from .support import (capability_reason, capturing, dtype_reason, feature_reasons, joined, live_int32,
+                      refresh_captured)
 
 PAGE_SIZES = (16, 32, 64, 128)
 MIN_WORKSPACE = 16 << 20  # XQA reserves the first 8 MiB for semaphores; the rest holds split-K partial results
@@ -119,19 +120,14 @@ class XQABackend:
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
         device = seq_lens.device
-        page_table = page_table.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
+        (page_table, refresh_table), (lens, refresh_lens) = live_int32(page_table), live_int32(seq_lens)
         lens_u32 = lens.view(torch.uint32)  # XQA's dtype; the same memory, so in-place updates of lens reach it
         batch = lens.numel()
         max_seq_len = page_table.shape[1] * spec.page_size
-        # zero-length rows (CUDA-graph padding) are zeros by contract: masked when the plan has such rows (read on
-        # the host), or, for a plan made during capture (no host read allowed), on every run from the lengths then
+        # zero-length rows (CUDA-graph padding) are zeros by contract: masked eagerly when the plan has such rows
+        # (read on the host); a run being captured masks from the lengths of each replay
         during_capture = capturing(lens)
-        mask_each_run = batch > 0 and during_capture
-        empty_rows = None
-        if batch and not mask_each_run:
-            empty_rows = (lens == 0)[:, None, None]
-            empty_rows = empty_rows if bool(empty_rows.any()) else None
+        has_empty = batch > 0 and (during_capture or bool((lens == 0).any()))
         workspace = _workspace(device, workspace_bytes(), during_capture)
         window_left = _window_left(spec)
         scale, fp8 = spec.scale, spec.kv_dtype is not None
@@ -156,13 +152,12 @@ class XQABackend:
                 bmm1, bmm2 = k_scale.float().reshape(1) * scale, v_scale.float().reshape(1)
             if batch == 0:  # XQA's launcher divides by the batch size
                 return q.new_empty(q.shape)
+            refresh_captured((refresh_table, refresh_lens), q)
             out = xqa_batch_decode_with_kv_cache(q.contiguous(), (k_cache, v_cache), workspace, page_table, lens_u32,
                                                  max_seq_len, bmm1_scale=bmm1, bmm2_scale=bmm2,
                                                  window_left=window_left, sinks=sinks, kv_layout="NHD")
-            if mask_each_run:
+            if has_empty or capturing(q):
                 out = out.masked_fill((lens == 0)[:, None, None], 0.0)
-            elif empty_rows is not None:
-                out = out.masked_fill(empty_rows, 0.0)
             return out
 
         return run

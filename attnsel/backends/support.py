@@ -1,11 +1,12 @@
 """Support checks shared by the backends: the same sentence for the same limit, whichever backend states it.
 
 Each helper returns a reason (str) or None; a backend's ``unsupported`` joins the non-None ones with ``joined``.
-Also ``capturing``: whether a plan is being made during CUDA-graph capture (no host reads then).
+Also ``capturing``: whether a plan is being made during CUDA-graph capture (no host reads then), and
+``live_int32``: the plan's view of an engine's metadata tensor that every run reads afresh (the CUDA-graph contract).
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -67,6 +68,31 @@ def capturing(t: torch.Tensor) -> bool:
     torch.cuda.graph makes the capturing device current): a plan made now must not read device tensors on the host
     (no sync is allowed during capture), so it plans from host bounds instead."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def live_int32(t: torch.Tensor, *, rows: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """(the tensor a kernel reads, refresh or None) for an engine's metadata tensor (lengths, offsets, page table).
+
+    The CUDA-graph contract: a run captured in a graph reads the metadata's current values at every replay, so an
+    engine updates them in place and replays. An int32 tensor the kernel can read as it is (contiguous; with
+    ``rows``, unit stride along the last dimension, rows at any stride) is returned itself. Anything else (int64, a
+    column slice of a wider table) needs an int32 contiguous copy: the plan makes it and ``refresh`` copies the
+    engine's tensor into it again. A run calls ``refresh_captured`` first: while it is being captured, the copy is
+    captured with it and replayed before the kernel; an eager run reads the plan's copy (eager callers plan per
+    batch, so the copy is current)."""
+    usable = t.dtype == torch.int32 and (t.stride(-1) == 1 if rows and t.dim() == 2 else t.is_contiguous())
+    if usable:
+        return t, None
+    copy = t.to(torch.int32).contiguous()
+    return copy, lambda: copy.copy_(t)
+
+
+def refresh_captured(refreshes, t: torch.Tensor) -> None:
+    """Call the ``live_int32`` refreshes that are not None when a CUDA graph is being captured on t's device."""
+    if any(r is not None for r in refreshes) and capturing(t):
+        for refresh in refreshes:
+            if refresh is not None:
+                refresh()
 
 
 def rows_without_keys(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..spec import AttentionSpec
 from . import Phase, RunFn
+from .support import capturing
 
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 MATH_CHUNK_ELEMS = 1 << 26  # float32 scores per chunk of the softcap/sinks path (256 MiB)
@@ -111,6 +112,10 @@ def dequantised(cache_rows: torch.Tensor, scale: torch.Tensor | None, dtype: tor
 class TorchBackend:
     name = "torch"
     version = torch.__version__
+    # decode runs being captured read the metadata on the device (_slots); prefill splits the batch into sequences on
+    # the host at plan time
+    graph_stale = {"prefill": "its prefill plan splits the batch into sequences on the host: a replay after the engine "
+                              "updates cu_seqlens in place would keep the old split"}
 
     def unsupported(self, spec: AttentionSpec, phase: Phase) -> str | None:
         return None  # every feature: sliding window, softcap, sinks, fp8 KV cache, non-causal
@@ -159,29 +164,16 @@ class TorchBackend:
             raise ValueError(f"seq_lens must be >= 0 (0: a padding row with zero output), got {min(lens)}")
         ps = spec.page_size
         max_len = max(lens, default=0)
-        if max_len > page_table.shape[1] * ps:
+        capacity = page_table.shape[1] * ps
+        if max_len > capacity:
             raise ValueError(f"page_table has {page_table.shape[1]} pages per sequence, too few for {max_len} "
                              f"tokens at page_size {ps}")
         window = spec.sliding_window
-        starts = [max(0, n - window) if window is not None else 0 for n in lens]
-        counts = [n - s for n, s in zip(lens, starts)]
-        device = page_table.device
-        t = torch.arange(max(counts, default=0) or 1, device=device)
-        count = torch.tensor(counts, dtype=torch.long, device=device)[:, None]
-        start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
-        owned = t < count  # [B, W]: the slots of the sequence (of its window)
-        live = count > 0
-        # Positions past a sequence's end repeat its first token (its own, finite data, masked out), so neither a
-        # page-table entry past the sequence nor an unused slot is ever read. Zero-length rows read slot 0 and their
-        # output is replaced by zeros.
-        pos = torch.where(owned, start + t, start)
-        if page_table.shape[1]:
-            page = page_table.long().gather(1, torch.where(live, pos // ps, 0))
-        else:  # no pages at all: every row has length 0
-            page = torch.zeros_like(pos)
-        slots = torch.where(live, page * ps + pos % ps, 0)  # [B, W] flat slots
-        mask = (owned | ~live)[:, None, None, :]  # [B, 1, 1, W]
-        live = live[:, :, None]  # [B, 1, 1]
+        width, captured_width = ((min(max_len, window), min(capacity, window)) if window is not None
+                                 else (max_len, capacity))
+        # eager runs read the slots of this plan's lengths; a run being captured computes them from the lengths and
+        # page table of each replay (the CUDA-graph contract), over the table's whole capacity
+        planned = _slots(spec, page_table, seq_lens, width)
         scale = spec.scale
         use_math = spec.softcap is not None or spec.sinks
         fp8 = spec.kv_dtype is not None
@@ -194,6 +186,7 @@ class TorchBackend:
                                  "(float32 tensors of one element)")
             if not fp8 and (k_scale is not None or v_scale is not None):
                 raise ValueError("k_scale/v_scale were passed but the spec has no fp8 KV cache (kv_dtype=None)")
+            slots, mask, live = (_slots(spec, page_table, seq_lens, captured_width) if capturing(q) else planned)
             kvh, d = k_cache.shape[-2:]
             dtype = torch.float32 if use_math else q.dtype  # the math path computes in float32 anyway
             k = dequantised(k_cache.reshape(-1, kvh, d)[slots], k_scale, dtype).transpose(1, 2)  # [B, KVH, W, D]
@@ -205,6 +198,28 @@ class TorchBackend:
             return torch.where(live, out[:, :, 0], torch.zeros((), dtype=out.dtype, device=out.device))
 
         return run
+
+
+def _slots(spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor, width: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat cache slots [B, W], key mask [B, 1, 1, W], live rows [B, 1, 1]) of each row's last ``width`` tokens (its
+    window), computed on the device from the metadata (no host read). Positions past a sequence's end repeat its
+    first token (its own, finite data, masked out), so neither a page-table entry past the sequence nor an unused slot
+    is ever read; zero-length rows read slot 0 and their output is replaced by zeros."""
+    ps, window = spec.page_size, spec.sliding_window
+    lens = seq_lens.long()[:, None]
+    start = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
+    count = lens - start
+    t = torch.arange(max(width, 1), device=seq_lens.device)
+    owned = t < count  # [B, W]: the slots of the sequence (of its window)
+    live = count > 0
+    pos = torch.where(owned, start + t, start)
+    if page_table.shape[1]:
+        page = page_table.long().gather(1, torch.where(live, pos // ps, 0))
+    else:  # no pages at all: every row has length 0
+        page = torch.zeros_like(pos)
+    slots = torch.where(live, page * ps + pos % ps, 0)
+    return slots, (owned | ~live)[:, None, None, :], live[:, :, None]
 
 
 BACKEND = TorchBackend()

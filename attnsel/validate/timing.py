@@ -458,30 +458,6 @@ def capture(run, sets: list[tuple], device: torch.device) -> tuple[torch.cuda.CU
     return graph, outs
 
 
-def graph_check(backend, spec: AttentionSpec, case, device: torch.device) -> dict:
-    """Prove a backend can serve under CUDA graphs: capture its run on the validation case, replay, and check the
-    replayed output like any other. Returns {"graph_capture": "ok"} or {"graph_capture": reason}."""
-    from . import cases
-
-    try:
-        if isinstance(case, cases.PrefillCase):
-            run = backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)
-            inputs = (case.q, case.k, case.v)
-        else:
-            run = backend.plan_decode(spec, case.page_table, case.seq_lens)
-            inputs = (case.q, case.k_cache, case.v_cache)
-        graph, outs = capture(functools.partial(run, **cases.run_kwargs(spec, case)), [inputs], device)
-        outs[0].fill_(float("nan"))  # the replay must write the output, not leave the capture's warm values
-        graph.replay()
-        _sync(device)
-    except Exception as exc:
-        return {"graph_capture": f"CUDA graph capture failed: {type(exc).__name__}: {_first_line(exc)}"}
-    checked = cases.check_output(spec, outs[0], case)
-    if checked["status"] != "valid":
-        return {"graph_capture": f"wrong under CUDA graph replay: {checked['reason']}"}
-    return {"graph_capture": "ok"}
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else ""

@@ -33,7 +33,7 @@ import torch
 
 from .. import backends
 from ..spec import AttentionSpec
-from . import cases, timing
+from . import cases, graph_replay, timing
 
 log = logging.getLogger("attnsel.worker")
 PR_SET_PDEATHSIG = 1
@@ -110,7 +110,7 @@ def validate_one(name: str, phase: str, spec: AttentionSpec, device: torch.devic
     if device.type == "cuda":
         result["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if result["status"] == "valid" and mode == "graph":
-        result.update(timing.graph_check(backend, spec, main, device))
+        result.update(graph_replay.check(backend, spec, phase, device))
         if is_oom(result["graph_capture"]):
             result["fault"] = "oom"
     return result

@@ -163,8 +163,8 @@ class TritonBackend:
         scale_in, softcap = _scale_args(spec)
         window = spec.sliding_window or 0
         block_d = tile_d(spec.head_dim)
-        # the kernels read cu + b: contiguous int32 (a column slice of an engine's metadata would be read wrong)
-        cu_q, cu_k = cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous()
+        # the kernels read cu + b: contiguous int32
+        (cu_q, refresh_q), (cu_k, refresh_k) = support.live_int32(cu_seqlens_q), support.live_int32(cu_seqlens_k)
         upcast = interpreted()
         rows_q, rows_k = max_seqlen_q + cfg.block_m, max_seqlen_k + cfg.block_n  # masked tiles reach this far
 
@@ -172,6 +172,7 @@ class TritonBackend:
                 ) -> torch.Tensor:
             sinks = _check_sinks(spec, sinks)
             out = torch.empty_like(q)
+            support.refresh_captured((refresh_q, refresh_k), q)
             # 64-bit offsets inside a sequence only where one sequence's rows x stride can pass 2^31
             long = max(rows_q * q.stride(0), rows_k * k.stride(0), rows_k * v.stride(0)) >= INT32_OFFSETS
             prefill_kernel[grid](q, k, v, out, cu_q, cu_k, sinks, scale_in,
@@ -211,9 +212,9 @@ class TritonBackend:
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
         block_s = triton_next_pow2(splits)
         device = seq_lens.device
-        page_table = page_table.to(torch.int32)
-        page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()  # rows at stride(0)
-        lens = seq_lens.to(torch.int32).contiguous()  # the kernels read LENS + b
+        # the kernels read LENS + b and page-table rows at stride(0)
+        (page_table, refresh_table) = support.live_int32(page_table, rows=True)
+        lens, refresh_lens = support.live_int32(seq_lens)
         # the merge holds a [BLOCK_S, BLOCK_D] float32 tile: past 8192 elements (head_dim 256 with 64 splits) the
         # whole decode kernel spills registers (sm_90: 255 registers and a stack, against 146 without): reduce kernel
         # eager runs only (see MERGE_IN_DECODE_KERNEL): a run captured into a CUDA graph takes the reduce kernel.
@@ -245,6 +246,7 @@ class TritonBackend:
             if q.numel() >= 2**31:  # q [B, H, D] or [B, 1, H, D]: heads at stride(-2), out like q
                 raise ValueError(f"triton decode: q has {q.numel()} elements, past 2^31 (32-bit offsets)")
             out = torch.empty_like(q)
+            support.refresh_captured((refresh_table, refresh_lens), q)
             merge = merge_ok and not support.capturing(q)
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
             decode_kernel[(batch, spec.num_kv_heads, splits)](
