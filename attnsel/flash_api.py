@@ -2,9 +2,10 @@
 
 Same argument names, defaults, layouts and return values as FA3's ``flash_attn_interface`` for what attnsel serves;
 any other argument given a value other than its default raises ``UnsupportedArgument`` naming it (never ignored).
-Mapped onto the spec: ``window_size`` -> ``sliding_window`` (causal only: ``(left, right)`` means ``left + 1`` keys,
-the right side is closed by causality as in FA3), ``softcap`` -> ``softcap``, ``sinks`` -> ``sinks``, an fp8 e4m3
-paged cache with ``k_descale``/``v_descale`` (one element each) -> ``kv_dtype="fp8_e4m3"``.
+Mapped onto the spec: ``causal`` / ``window_size`` -> ``causal`` / ``sliding_window`` as FA3 masks
+(``flash_masks``: ``left + 1`` keys up to the diagonal; with one query per sequence every window is causal),
+``softcap`` -> ``softcap``, ``sinks`` -> ``sinks``, an fp8 e4m3 paged cache with ``k_descale``/``v_descale`` (one
+element each) -> ``kv_dtype="fp8_e4m3"``.
 
 The spec is inferred from the tensors; the backend selection runs once per (spec, device) in this process (same rules
 and persistent cache as ``attnsel.select``; ``$ATTNSEL_PREFILL_BACKEND`` / ``$ATTNSEL_DECODE_BACKEND`` or
@@ -43,7 +44,9 @@ import os
 
 import torch
 
+from . import kv_append
 from .backends.support import capturing as _capturing  # module attribute: the timing script stubs it
+from .flash_masks import UnsupportedArgument, spec_masks
 from .selection import Selection, select
 from .spec import AttentionSpec, SpecError, dtype_name
 
@@ -51,10 +54,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 16  # page_size of the spec used for varlen calls (they have no pages)
 ENV_PREFILL, ENV_DECODE = "ATTNSEL_PREFILL_BACKEND", "ATTNSEL_DECODE_BACKEND"
-
-
-class UnsupportedArgument(ValueError):
-    """A FlashAttention argument attnsel does not serve was given a value other than its default."""
 
 
 _options: dict = {}
@@ -120,35 +119,6 @@ def _show(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)} {value.dtype}>"
     return repr(value)
-
-
-def _features(func: str, causal: bool, window_size, softcap: float) -> tuple[int | None, float | None]:
-    """(sliding_window, softcap) of the spec from FlashAttention's window_size and softcap."""
-    try:
-        left, right = window_size
-        left, right = operator.index(left), operator.index(right)
-    except (TypeError, ValueError):
-        raise ValueError(f"attnsel.{func}: window_size must be a pair of ints (left, right), got {window_size!r}; "
-                         "allowed: (-1, -1) (no window), or (left, 0) / (left, -1) with causal=True") from None
-    window = None
-    if (left, right) != (-1, -1):
-        if not causal:  # local non-causal attention
-            raise UnsupportedArgument(f"attnsel.{func}: window_size={window_size!r} with causal=False: not supported "
-                                      "by attnsel; allowed: (-1, -1) (no window), or (left, 0) / (left, -1) with "
-                                      "causal=True (a sliding window of left + 1 keys)")
-        if left < 0:  # (-1, r) with causal: plain causal attention
-            window = None
-        else:
-            window = int(left) + 1
-    try:  # a number or a 0-dim tensor; text is refused (float("5") would read it)
-        if isinstance(softcap, (str, bytes)):
-            raise TypeError
-        cap = float(softcap)
-    except (TypeError, ValueError, RuntimeError):
-        cap = math.nan
-    if not math.isfinite(cap) or cap < 0:  # NaN compared false everywhere: it meant no cap
-        raise ValueError(f"attnsel.{func}: softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
-    return window, (cap if cap > 0 else None)
 
 
 def _resolve(func: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qs: torch.Size, ks: torch.Size,
@@ -413,10 +383,10 @@ def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, softmax_scale, 
                          f"{v.dtype}")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         _unit_stride("flash_attn_varlen_func", q=q, k=k, v=v)
-    window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(
-        "flash_attn_varlen_func", causal, window_size, softcap)
+    causal, window, cap = (bool(causal), None, None) if window_size == (-1, -1) and softcap == 0.0 else spec_masks(
+        "flash_attn_varlen_func", causal, window_size, softcap, one_query=False)
     # the spec's checks, and k/v on q's device; the run is the backend's own (checked=False): these checks are its
-    return _resolve("flash_attn_varlen_func", q, k, v, qs, ks, DEFAULT_PAGE_SIZE, softmax_scale, bool(causal), window,
+    return _resolve("flash_attn_varlen_func", q, k, v, qs, ks, DEFAULT_PAGE_SIZE, softmax_scale, causal, window,
                     cap, sinks is not None)
 
 
@@ -431,11 +401,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     (q's dtype, or float8_e4m3fn with one-element float32 k_descale/v_descale); page_table int32
     ``[batch, max_pages]``; cache_seqlens int32 ``[batch]`` (or an int): tokens already in the cache. With k/v
     ``[batch, 1, KVH, D]`` the new token is written into the cache at position cache_seqlens (in place, as FA3
-    does) and attended to; without them the query attends to the first cache_seqlens tokens. Returns out
-    ``[batch, 1, H, D]``. ``causal`` has no effect with one query token. Not served (UnsupportedArgument when not
-    default): qv, rotary_cos/sin/seqlens, cache_batch_idx, cache_leftpad, cu_seqlens_q, cu_seqlens_k_new, q_descale,
-    attention_chunk, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse;
-    a cache without page_table; more than one query or new token per sequence."""
+    does; strided caches too, e.g. kv[:, 0] / kv[:, 1]) and attended to; without them the query attends to the
+    first cache_seqlens tokens. Returns out ``[batch, 1, H, D]``. ``causal`` and window_size's right bound have no
+    effect with one query token. Not served (UnsupportedArgument when not default): qv, rotary_cos/sin/seqlens,
+    cache_batch_idx, cache_leftpad, cu_seqlens_q, cu_seqlens_k_new, q_descale, attention_chunk, rotary_interleaved,
+    scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse; a cache without page_table; more than one
+    query or new token per sequence."""
     try:
         if (qv is not None or rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
                 or cache_leftpad is not None or cu_seqlens_q is not None or cu_seqlens_k_new is not None
@@ -507,12 +478,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                              "page (a batch of padding rows still needs a page for its page ids to point at)")
         slots, run = plan
         if append:
-            kvh, d = ks[2], ks[3]
             check_pages = getattr(run, "check_pages", None)  # ATTNSEL_CHECK_METADATA: before the write, not after
             if check_pages is not None:
                 check_pages(k_cache)
-            k_cache.view(-1, kvh, d).index_copy_(0, slots, k.reshape(batch, kvh, d))
-            v_cache.view(-1, kvh, d).index_copy_(0, slots, v.reshape(batch, kvh, d))
+            kv_append.write(k_cache, v_cache, k, v, slots)  # in place, strided caches too
         if sinks is None and not scales:  # q stays [batch, 1, H, D]: the plan's layout is "b1hd"
             return run(q, k_cache, v_cache)
         return run(q, k_cache, v_cache, **extra, **scales)
@@ -578,8 +547,8 @@ def _kvcache_checked(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, k
                                   f"[{batch}, 1, {ks[2]}, {ks[3]}] (one new token per "
                                   f"sequence), got {tuple(k.shape)} and {tuple(v.shape)}")
     extra = _sinks_kwargs(func, sinks, qs[2]) if sinks is not None else {}  # checked before the cache is written
-    window, cap = (None, None) if window_size == (-1, -1) and softcap == 0.0 else _features(func, causal,
-                                                                                              window_size, softcap)
+    _, window, cap = (True, None, None) if window_size == (-1, -1) and softcap == 0.0 else spec_masks(
+        func, causal, window_size, softcap, one_query=True)
     # One query token: causal or not is the same attention; the spec says causal so that one selection serves both.
     # The spec's checks, and the caches on q's device; the run is the backend's own (checked=False): these checks
     # are its.
@@ -589,7 +558,7 @@ def _kvcache_checked(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, k
 
 
 def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int,
-                 append: bool, capturing: bool) -> tuple[torch.Tensor | None, object]:
+                 append: bool, capturing: bool) -> tuple[kv_append.Slots | None, object]:
     """(cache slots of the new tokens or None, run function) of a flash_attn_with_kvcache plan: with new tokens the
     query attends to cache_seqlens + 1 tokens, the last one written at position cache_seqlens.
 
@@ -612,13 +581,8 @@ def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.
         # the dispatch's context from the same read: the batch's tokens (each row's new one included), not the
         # table's width (an engine sizes its table for the longest context it serves)
         max_len, context = high + append, total + append * cache_seqlens.shape[0]
-    if append:
-        pos = cache_seqlens.long()
-        page = page_table.gather(1, (pos // page_size)[:, None].clamp(max=page_table.shape[1] - 1))[:, 0]
-        slots = page.long() * page_size + pos % page_size
-        lens = cache_seqlens + 1
-    else:
-        slots, lens = None, cache_seqlens
+    slots = kv_append.plan_slots(page_table, cache_seqlens, page_size) if append else None
+    lens = cache_seqlens + 1 if append else cache_seqlens
     # q and out in FA3's [batch, 1, H, D]: FA3 and Triton take it as it is, other backends get views
     # outside capture max_len is the exact longest row (the ragged buckets read it); during capture no context
     return slots, sel.plan_decode(page_table, lens, max_seq_len=max_len, context_tokens=context,

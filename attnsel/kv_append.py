@@ -1,0 +1,40 @@
+"""flash_attn_with_kvcache's new tokens written into the caller's paged caches, in place (as FA3 does).
+
+A cache is ``[num_pages, page_size, kv_heads, head_dim]`` with a contiguous last dimension and any other strides:
+the k and v halves of one ``[num_pages, 2, page_size, kv_heads, head_dim]`` tensor (``kv[:, 0]``, ``kv[:, 1]``) are
+views whose pages and slots cannot be flattened into one dimension. Writes go through the cache's own strides; no
+copy of a cache is made.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Slots(NamedTuple):
+    """Where each sequence's new token goes: its page id and offset in the page, and both as one index into the
+    cache viewed as ``[num_pages * page_size, kv_heads, head_dim]`` (int64 ``[batch]`` each, on the device)."""
+    flat: torch.Tensor
+    page: torch.Tensor
+    offset: torch.Tensor
+
+
+def plan_slots(page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int) -> Slots:
+    """The slots of tokens at positions cache_seqlens (made once per plan; no host sync). A position past the table
+    is clamped to its last page (the caller refuses such lengths before writing, outside CUDA-graph capture)."""
+    pos = cache_seqlens.long()
+    page = page_table.gather(1, (pos // page_size)[:, None].clamp(max=page_table.shape[1] - 1))[:, 0].long()
+    offset = pos % page_size
+    return Slots(page * page_size + offset, page, offset)
+
+
+def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Slots) -> None:
+    """k/v ``[batch, 1, kv_heads, head_dim]`` into the caches at their slots, in place."""
+    batch = slots.flat.shape[0]
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        rows = new.reshape(batch, cache.shape[2], cache.shape[3])
+        if cache.is_contiguous():  # the common layout: one index_copy_ over the flat slots
+            cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slots.flat, rows)
+        else:  # a strided view: indexed by page and offset through its strides
+            cache.index_put_((slots.page, slots.offset), rows)
