@@ -12,7 +12,7 @@ continuous batching, and no check is changed.
 
 Needs ``pip install 'attnsel[serve]'`` (fastapi, uvicorn, openai, pydantic: what transformers' ``is_serve_available``
 checks). Implementations: ``attnsel`` (dense ``generate``, the default), or with ``--continuous-batching``
-``paged|attnsel`` on transformers 5.17 and ``attnsel_flash`` on 5.19 to 5.24; ``attnsel/flash-attn`` for both on
+``paged|attnsel`` on transformers 5.17 and ``attnsel_flash`` on 5.18 to 5.24; ``attnsel/flash-attn`` for both on
 >= 5.25.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model dtype (default: the config's torch_dtype, else fp32; bfloat16, float16/half, "
                         "float32/float also accepted)")
     p.add_argument("--continuous-batching", action="store_true",
-                   help="transformers' continuous batching (paged|attnsel on 5.17, attnsel_flash on 5.19 to 5.24, "
+                   help="transformers' continuous batching (paged|attnsel on 5.17, attnsel_flash on 5.18 to 5.24, "
                         "attnsel/flash-attn on >= 5.25)")
 
 

@@ -1,7 +1,7 @@
 """GPU suite: every backend x phase x spec against the float32 reference (skipped without CUDA).
 
 Each outcome (error, tolerance, or the reason a backend is unavailable) is appended as one JSON line to
-$ATTNSEL_GPU_RESULTS when set, which scripts/gpu-check saves with the run.
+$ATTNSEL_GPU_RESULTS when set, which `scripts/gpu-bench tests` saves with the run.
 FlashInfer JIT-compiles each dtype/head_dim for about two minutes on a fresh machine; ATTNSEL_GPU_FLASHINFER=main
 limits it to the bf16/d128 family (compiled once), =all (default) compiles every spec.
 """
@@ -65,7 +65,7 @@ def test_backend_against_reference(key, name, phase, built_cases):
         pytest.skip(reason)
     if name.startswith("flashinfer") and os.environ.get("ATTNSEL_GPU_FLASHINFER") == "main" \
             and key not in MAIN_FAMILY:
-        pytest.skip("FlashInfer JIT for this dtype/head_dim is left to `scripts/gpu-check jit`")
+        pytest.skip("FlashInfer JIT for this dtype/head_dim: run with ATTNSEL_GPU_FLASHINFER=all")
     case = built_cases(key, phase)
     out = cases.run_case(backend, spec, case)
     torch.cuda.synchronize()
@@ -117,7 +117,7 @@ FEATURE_SPECS = {
                                      kv_dtype="fp8_e4m3"),
 }
 # FlashInfer JIT-builds one module per feature combination and template (a minute or two each): by default only
-# `flashinfer` on four feature specs (scripts/gpu-round6 f runs them in parallel processes);
+# `flashinfer` on four feature specs;
 # ATTNSEL_GPU_FLASHINFER_FEATURES=all runs every variant on every feature spec.
 FLASHINFER_DEFAULT = {("flashinfer", "window256"), ("flashinfer", "softcap30"), ("flashinfer", "fp8kv"),
                       ("flashinfer", "gptoss-like")}
