@@ -135,3 +135,23 @@ def test_timeout_from_the_environment_is_checked(monkeypatch):
         agree(lambda: 1, "q")
     monkeypatch.delenv("ATTNSEL_DIST_TIMEOUT_S")
     assert agree(lambda: 1, "q") == 1  # without a process group: just decide
+
+
+def test_device_kind_of_the_cpu():
+    from attnsel.device import kind
+
+    assert kind("cpu") == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_device_kind_names_the_gpu():
+    """Ranks on different GPUs ask different questions: the kind names the GPU, its capability and SM count."""
+    import torch
+
+    from attnsel.device import kind
+
+    props = torch.cuda.get_device_properties(0)
+    expected = f"cuda {props.name}, capability {props.major}.{props.minor}, {props.multi_processor_count} SMs"
+    assert kind("cuda:0") == expected
+    assert kind("cuda") == kind(f"cuda:{torch.cuda.current_device()}")

@@ -10,8 +10,9 @@ phase's candidates interleaved over the bucket grid; its candidates come from ``
 
 Trust: a result carries ``"fault"`` ("raised", "oom" or "unhealthy") when the process may be damaged: the candidate
 raised, ran out of memory (or the health probe after it did: the machine's memory, not a verdict), or left the
-process unable to compute (``probe`` after every candidate: a broken CUDA context fails every later call). After a fault the worker stops (``done`` with ``stopped``) and the parent starts a
-fresh one for the rest, so every candidate runs in a process that computed correctly just before it.
+process unable to compute (``probe`` after every candidate: a broken CUDA context fails every later call). After a
+fault the worker stops (``done`` with ``stopped``) and the parent starts a fresh one for the rest, so every
+candidate runs in a process that computed correctly just before it.
 File descriptor 1 is pointed at stderr first, so that C/CUDA code printing to stdout cannot corrupt the protocol;
 the parent captures stderr and quotes its tail when the worker dies. The worker dies with its parent (Linux).
 """
