@@ -7,8 +7,8 @@ or a decision that never comes, gives an error on the waiting ranks instead of a
 1. the group is set up: every rank must call within ``timeout`` seconds;
 2. the questions are all-gathered: ranks that asked different questions all raise AgreementError naming each rank's
    question (rank 0's answer to its own question would be wrong for the others);
-3. rank 0 decides; the other ranks wait for it up to ``decide_timeout`` seconds (a cold selection validates and
-   times every candidate), then rank 0's answer or error is broadcast.
+3. rank 0 decides and broadcasts its answer or its error in a second group, whose timeout is ``decide_timeout``:
+   the other ranks wait that long for it (a cold selection validates and times every candidate).
 """
 from __future__ import annotations
 
@@ -87,28 +87,45 @@ def agree(decide: Callable[[], T], question, *, timeout: float | None = None,
         return decide()
     rank, world = dist.get_rank(), dist.get_world_size()
     asked = f"rank {rank} of {world} (asking: {describe(question)})"
-    try:
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # DistStoreError: a rank did not set up the group in time
+    try:  # every rank sets up the group: this waits for all of them
+        asking = _gloo_group(timeout)
+    except Exception as exc:  # DistStoreError: a rank did not come in time
         raise AgreementError(
             f"{asked} waited {timeout:g} s for every rank to ask (${TIMEOUT_ENV}) and at least one rank never did: "
             f"{SAME_ORDER}; torch.distributed: {exc}") from exc
     try:
-        return _agree_in(group, decide, question, asked, timeout, decide_timeout)
+        _same_question(asking, question, asked, timeout)
+        # A gloo operation waits as long as its group's timeout: the answer's wait (rank 0 deciding) has its own.
+        answering = _gloo_group(decide_timeout)  # every rank is here: set up at once
+        try:
+            return _answer(answering, decide, asked, decide_timeout)
+        finally:
+            dist.destroy_process_group(answering)
     finally:
-        dist.destroy_process_group(group)
+        dist.destroy_process_group(asking)
 
 
-def _agree_in(group, decide: Callable[[], T], question, asked: str, timeout: float, decide_timeout: float) -> T:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    questions: list = [None] * world
+def _gloo_group(seconds: float):
+    """A gloo group of all ranks (also under an NCCL default group: only small Python objects travel) whose
+    operations wait at most ``seconds``."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+
+
+def _same_question(group, question, asked: str, timeout: float) -> None:
+    """All-gather the ranks' questions; AgreementError (the same on every rank) when they differ."""
+    questions: list = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(questions, question, group=group)
     except Exception as exc:
         raise AgreementError(f"{asked} could not gather every rank's question within {timeout:g} s: {exc}") from exc
     problem = mismatch(questions)
     if problem:
-        raise AgreementError(f"rank {rank}: {problem}")
+        raise AgreementError(f"rank {dist.get_rank()}: {problem}")
+
+
+def _answer(group, decide: Callable[[], T], asked: str, decide_timeout: float) -> T:
+    """Rank 0 decides and broadcasts its answer or its error; the other ranks wait for it."""
+    rank = dist.get_rank()
     payload: list = [None]
     if rank == 0:
         try:
@@ -116,17 +133,12 @@ def _agree_in(group, decide: Callable[[], T], question, asked: str, timeout: flo
         except Exception as exc:
             log.error("rank 0 failed to decide: %s", exc)
             payload[0] = ("error", exc)
-    try:  # the other ranks wait here while rank 0 decides
-        dist.barrier(group, timeout=datetime.timedelta(seconds=decide_timeout))
-    except Exception as exc:
-        waited = ("rank 0's answer" if rank else "the other ranks to take the answer (they gave up waiting, or died)")
-        raise AgreementError(f"{asked} waited {decide_timeout:g} s for {waited} (${DECIDE_TIMEOUT_ENV}): "
-                             f"{exc}") from exc
     try:
         dist.broadcast_object_list(payload, src=0, group=group)
     except Exception as exc:
-        raise AgreementError(f"{asked} could not {'send' if rank == 0 else 'receive'} rank 0's answer within "
-                             f"{timeout:g} s: {exc}") from exc
+        waited = ("waited for the other ranks to take its answer (they gave up waiting, or died)" if rank == 0
+                  else f"waited {decide_timeout:g} s for rank 0's answer (${DECIDE_TIMEOUT_ENV})")
+        raise AgreementError(f"{asked} {waited}: {exc}") from exc
     status, value = payload[0]
     if status == "error":
         raise value

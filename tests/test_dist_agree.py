@@ -105,7 +105,7 @@ def test_waiting_for_a_slow_decision_times_out(records):
     assert "rank 1 of 2 (asking: 'slow') waited 1 s for rank 0's answer" in waiting["message"], waiting
     assert waiting["s"] < 2.4, waiting  # not rank 0's 2.5 s
     assert deciding.get("error") == "AgreementError", deciding  # rank 0 does not go on alone either
-    assert "rank 0 of 2" in deciding["message"] and "the other ranks to take the answer" in deciding["message"]
+    assert "rank 0 of 2" in deciding["message"] and "waited for the other ranks to take its answer" in deciding["message"]
 
 
 def test_a_rank_that_never_asks_times_out(records):
