@@ -99,6 +99,15 @@ def fingerprint(device: str = "cuda") -> dict:
             "triton_interpret": os.environ.get("TRITON_INTERPRET", "")}
 
 
+def kind(device: str = "cuda") -> str:
+    """The kind of device, in words: "cpu", or the GPU's name, compute capability and multiprocessor count (what
+    decides which kernels run and how fast). Ranks that share one selection must run on the same kind."""
+    info = _static_fingerprint(resolve(device))
+    if info["gpu"] is None:
+        return torch.device(device).type
+    return f"cuda {info['gpu']}, capability {info['capability']}, {info['sm_count']} SMs"
+
+
 @functools.cache
 def _static_fingerprint(device: str) -> dict:
     from . import __version__

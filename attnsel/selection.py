@@ -16,7 +16,7 @@ import torch
 from . import backends, metadata_values
 from .backends import PHASES, Phase, RunFn
 from .cache import ResultCache, entry_key
-from .device import fingerprint
+from .device import fingerprint, kind as device_kind
 from .dist import agree
 from .spec import AttentionSpec
 from .validate import runner, seconds_from_env, timing
@@ -868,8 +868,11 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
             backends.get(choice)
     orders = {"prefill": priority_list("prefill", prefill_priority),
               "decode": priority_list("decode", decode_priority)}
+    # What decides the answer; timeout, budget and cache only shape rank 0's work (each rank may set its own).
+    question = {"spec": spec, "prefill": prefill, "decode": decode, "prefill_priority": orders["prefill"],
+                "decode_priority": orders["decode"], "policy": policy, "mode": mode, "device": device_kind(device)}
     return agree(lambda: _select(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
-                                 budget_s))
+                                 budget_s), question)
 
 
 def table_key(fp: dict, spec: AttentionSpec, phase: str, mode: str, candidates: list[tuple[str, str | None]]) -> str:

@@ -192,6 +192,42 @@ def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch):
     assert ("oom", "prefill") not in _cached() and _cached()[("torch", "prefill")]["status"] == "valid"
 
 
+def _probe_oom(monkeypatch, tmp_path, workers: int) -> dict:
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_probe:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_TEST_PROBE_OOM", str(workers))
+    monkeypatch.setenv("ATTNSEL_TEST_PROBE_OOM_COUNT", str(tmp_path / "probe_ooms"))
+    return dict(policy="priority", prefill_priority=["probe_oom", "torch"], decode_priority=["torch"])
+
+
+def test_health_probe_out_of_memory_after_a_candidate_is_retried_not_cached(tmp_path, monkeypatch, caplog):
+    """The probe after a candidate runs out of memory: about the machine, not the candidate; it is validated again
+    in a fresh worker, where the probe passes, and that is what the cache keeps."""
+    kw = _probe_oom(monkeypatch, tmp_path, workers=1)
+    with caplog.at_level(logging.WARNING, logger="attnsel"):
+        sel = select(SPEC, **kw)
+    assert "probe_oom prefill: out of memory" in caplog.text and "retrying once in a fresh worker" in caplog.text
+    assert sel.stats["spawns"] == 2 and sel.stats["deaths"] == 0
+    assert sel.prefill == "probe_oom" and sel.candidates["prefill"][0].status == "selected"
+    assert _cached()[("probe_oom", "prefill")]["status"] == "valid"
+    again = select(SPEC, **kw)
+    assert again.stats["spawns"] == 0 and again.prefill == "probe_oom" and again.candidates["prefill"][0].from_cache
+
+
+def test_health_probe_out_of_memory_twice_is_not_cached(tmp_path, monkeypatch):
+    """Out of memory in the probe in two workers: the candidate is rejected for this selection only (transient);
+    the next selection validates it again."""
+    kw = _probe_oom(monkeypatch, tmp_path, workers=2)
+    sel = select(SPEC, **kw)
+    cand = sel.candidates["prefill"][0]
+    assert cand.name == "probe_oom" and cand.status == "rejected", cand
+    assert "health probe" in cand.reason and "CUDA out of memory" in cand.reason, cand.reason
+    assert "out of memory in two workers" in cand.reason and "not cached" in cand.reason, cand.reason
+    assert sel.prefill == "torch"
+    assert ("probe_oom", "prefill") not in _cached()
+    again = select(SPEC, **kw)
+    assert again.prefill == "probe_oom" and not again.candidates["prefill"][0].from_cache
+
+
 def test_a_worker_killed_from_outside_is_reported_not_cached(monkeypatch):
     """Review finding: SIGKILL (the kernel's OOM killer) or SIGTERM says nothing about the backend: the candidate is
     rejected for this start, with the signal in its reason, and tried again at the next start."""

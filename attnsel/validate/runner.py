@@ -5,7 +5,7 @@
 - Anything about the machine is reported, retried once in a fresh worker, and if it happens again the affected
   tasks get ``"transient": True`` (the selection does not cache those): the worker fails to start (exits or hangs
   before "ready", or the device cannot compute), dies between candidates, cannot build a validation case, or a
-  candidate runs out of memory.
+  candidate (or the health probe after it) runs out of memory.
 - After any fault the worker is not trusted: it stops and the rest runs in a fresh worker (worker.py, "Trust").
 - A worker that does not exit after "done" is killed DONE_GRACE_S later. On every exit path, KeyboardInterrupt
   included, the worker's process group is killed and reaped; its stderr log is unlinked as soon as it is opened,

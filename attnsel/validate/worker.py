@@ -9,9 +9,10 @@ phase's candidates interleaved over the bucket grid; its candidates come from ``
 "graph" every valid candidate is also captured in a CUDA graph and replayed ("graph_capture": "ok" or a reason).
 
 Trust: a result carries ``"fault"`` ("raised", "oom" or "unhealthy") when the process may be damaged: the candidate
-raised, ran out of memory, or left the process unable to compute (``probe`` after every candidate: a broken CUDA
-context fails every later call). After a fault the worker stops (``done`` with ``stopped``) and the parent starts a
-fresh one for the rest, so every candidate runs in a process that computed correctly just before it.
+raised, ran out of memory (or the health probe after it did: the machine's memory, not a verdict), or left the
+process unable to compute (``probe`` after every candidate: a broken CUDA context fails every later call). After a
+fault the worker stops (``done`` with ``stopped``) and the parent starts a fresh one for the rest, so every
+candidate runs in a process that computed correctly just before it.
 File descriptor 1 is pointed at stderr first, so that C/CUDA code printing to stdout cannot corrupt the protocol;
 the parent captures stderr and quotes its tail when the worker dies. The worker dies with its parent (Linux).
 """
@@ -45,7 +46,7 @@ def is_oom(exc: BaseException | str) -> bool:
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc)
-    return ("out of memory" in text.lower() or "OutOfMemoryError" in text
+    return ("out of memory" in text.lower() or "MemoryError" in text  # OutOfMemoryError too (a probe's reason)
             or "can't allocate memory" in text)  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
 
 
@@ -195,7 +196,11 @@ def main() -> None:
                                   job.get("mode", "eager"))
         if not result.get("fault"):
             broken = probe(device)
-            if broken:
+            if broken and is_oom(broken):  # the machine's memory, not the candidate: retried, never cached
+                log.error("after %s %s the health probe ran out of memory: %s", name, phase, broken)
+                result.update(status="rejected", fault="oom",
+                              reason=f"the health probe after it ran out of memory ({broken})")
+            elif broken:
                 log.error("after %s %s the process cannot compute: %s", name, phase, broken)
                 what = "ran" if name != timing.TIMING_TASK else "timing ran"
                 result.update(status="rejected", fault="unhealthy",
