@@ -199,17 +199,6 @@ def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -
                   cache_dir=args.cache_dir, use_cache=not args.no_cache, device=args.device)
 
 
-def _ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 4] -> "0-2, 4"."""
-    out: list[list[int]] = []
-    for i in layers:
-        if out and i == out[-1][1] + 1:
-            out[-1][1] = i
-        else:
-            out.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
-
-
 def _label(kind: str, layers: list[int]) -> str:
     return f"{kind} ({len(layers)} layers)" if layers else kind
 
@@ -451,7 +440,7 @@ def cmd_report(args: argparse.Namespace, out: Console) -> int:
     out = Console()  # fits the terminal (80 columns when not a terminal and COLUMNS is unset)
     for (kind, _, layers), res, sel in zip(kinds, results, found):
         if len(kinds) > 1:
-            out.print(f"\n[bold]{_label(kind, layers)}[/]: layers {_ranges(layers)}")
+            out.print(f"\n[bold]{_label(kind, layers)}[/]: layers {serve.layer_ranges(layers)}")
         if sel is not None:
             print_report(sel, args, out)
         if isinstance(res, SelectionError) and len(kinds) > 1:

@@ -1,8 +1,11 @@
 """`attnsel serve MODEL_DIR`: transformers' own OpenAI-compatible server (``transformers serve``) on attnsel.
 
 Registers attnsel's attention with transformers in this process, runs the backend selection for the model's
-attention shape at start-up and prints it (``prefill: X, decode: Y`` and why, per candidate), then starts
-``transformers.cli.serve.Serve`` with the model preloaded. transformers' CLI would refuse the name (its
+attention shape at start-up, one per kind of layer (full and sliding attention, as ``attnsel report --config``), and
+prints it (``prefill: X, decode: Y`` and why, per candidate), then starts ``transformers.cli.serve.Serve`` with the
+model preloaded. When it stops (Ctrl-C or SIGTERM) it prints how many attention calls attnsel served (by spec) and
+handed back to transformers (by reason), where those calls ran in this process (the ``attnsel`` and
+``paged|attnsel`` names). transformers' CLI would refuse the name (its
 ``ModelManager`` accepts only its built-in names or Hub kernels) and could not see a registration made elsewhere, so
 the only change made to it is that check: for the duration of the start-up, ``ModelManager`` is a subclass that
 validates its other arguments as usual and lets attnsel's registered names through. transformers >= 5.25 validates
@@ -21,6 +24,8 @@ import argparse
 import contextlib
 import importlib.util
 import logging
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -51,6 +56,17 @@ def unavailable() -> str | None:
     if missing:
         return f"serving needs {', '.join(missing)}: pip install 'attnsel[serve]'"
     return None
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 4] -> "0-2, 4"."""
+    out: list[list[int]] = []
+    for i in layers:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def describe(sel: Selection) -> list[str]:
@@ -114,12 +130,15 @@ def implementation(continuous_batching: bool, registered: list[str]) -> str:
                      "transformers")
 
 
-def start_selection(model_dir: Path, impl: str, dtype: torch.dtype | None, device: str) -> Selection:
-    """Run the selection the served model's first attention call would run, now, so that it is cached."""
+def start_selections(model_dir: Path, impl: str, dtype: torch.dtype | None,
+                     device: str) -> list[tuple[str, list[int], Selection]]:
+    """Run the selections the served model's first attention calls would run, now, so that they are cached: one per
+    kind of layer of its config (``spec.layer_specs``: full and sliding attention), as (kind, layers, Selection)."""
     from transformers import AutoConfig
 
     from . import flash_api
     from .integrations import hf, hf_kernels
+    from .spec import dtype_name, layer_specs
 
     config = AutoConfig.from_pretrained(model_dir)
     if dtype is None:
@@ -129,9 +148,25 @@ def start_selection(model_dir: Path, impl: str, dtype: torch.dtype | None, devic
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if impl in (hf_kernels.NAME, hf_kernels.KERNEL_NAME):
-        return flash_api.selection_for(hf.model_spec(config, dtype, flash_api.DEFAULT_PAGE_SIZE), dev)
-    page_size = hf.DENSE_PAGE_SIZE if impl == hf.NAME else 256  # 5.17's continuous batching: blocks of 256
-    return hf.selection_for(hf.model_spec(config, dtype, page_size), dev)
+        select, page_size = flash_api.selection_for, flash_api.DEFAULT_PAGE_SIZE
+    else:  # attnsel's attention functions: dense pages, or 5.17's continuous batching with its blocks of 256
+        select, page_size = hf.selection_for, hf.DENSE_PAGE_SIZE if impl == hf.NAME else 256
+    kinds = layer_specs(config.to_dict(), dtype=dtype_name(dtype), page_size=page_size)
+    return [(kind, layers, select(spec, dev)) for kind, spec, layers in kinds]
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM stops the server as Ctrl-C does: uvicorn shuts down, then raises the signal again, which this handler
+    turns into KeyboardInterrupt (the default handler would end the process before the exit summary)."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_serve(args: argparse.Namespace, out) -> int:
@@ -150,14 +185,24 @@ def cmd_serve(args: argparse.Namespace, out) -> int:
                              timeout=args.timeout, cache_dir=args.cache_dir, use_cache=not args.no_cache)
     impl = implementation(args.continuous_batching, registered)
     device = args.device or default_device()
-    sel = start_selection(model_dir, impl, DTYPES[args.dtype], device)
-    for line in describe(sel):
-        out.print(line, markup=False, highlight=False, soft_wrap=True)
+    kinds = start_selections(model_dir, impl, DTYPES[args.dtype], device)
+    for kind, layers, sel in kinds:
+        if len(kinds) > 1:
+            out.print(f"{kind} (layers {layer_ranges(layers)}):", markup=False, highlight=False, soft_wrap=True)
+        for line in describe(sel):
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
     out.print(f"serving {model_dir} with attn_implementation={impl} on http://{args.host}:{args.port}/v1 "
               "(transformers serve)", markup=False, highlight=False, soft_wrap=True)
     dtype = {None: "auto", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[
         DTYPES[args.dtype]]
-    with _accept_names(registered):  # blocks while serving (uvicorn in this thread: Ctrl-C stops it)
-        Serve(force_model=str(model_dir), attn_implementation=impl, continuous_batching=args.continuous_batching,
-              device=device, dtype=dtype, host=args.host, port=args.port, log_level="info")
+    try:
+        with _sigterm_as_interrupt(), _accept_names(registered):  # blocks while serving (uvicorn in this thread)
+            Serve(force_model=str(model_dir), attn_implementation=impl, continuous_batching=args.continuous_batching,
+                  device=device, dtype=dtype, host=args.host, port=args.port, log_level="info")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, once uvicorn has stopped
+        pass
+    finally:
+        if impl in (hf.NAME, hf.PAGED_NAME):  # attnsel's attention functions, called in this process
+            for line in hf.call_summary():
+                out.print(line, markup=False, highlight=False, soft_wrap=True)
     return 0

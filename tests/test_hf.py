@@ -131,22 +131,69 @@ def test_static_cache_generate_and_forward_match_sdpa(saved):
     assert hf.fallbacks() == {}
 
 
-def test_unknown_argument_is_handed_back_to_transformers(saved, caplog):
+@pytest.mark.parametrize("name", ["attn_bias_scale", "tokenizer"])
+def test_unknown_argument_is_handed_back_to_transformers(saved, caplog, name):
     """An argument attnsel does not know (here a model-level keyword that reaches every attention call) hands the
-    call back to transformers' own attention, named once in the log, never dropped."""
+    call back to transformers' own attention, named once in the log, never dropped; so does a tensor under the name
+    of one of generate's own objects (not the object generate passes: a model's input of that name)."""
     cls, path = saved("llama")
     ref, ours = dense_pair(cls, path)
     ids, mask = padded_batch()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="attnsel"):
-        got = ours(input_ids=ids, attention_mask=mask, attn_bias_scale=torch.ones(1)).logits
-        again = ours(input_ids=ids, attention_mask=mask, attn_bias_scale=torch.ones(1)).logits
+        got = ours(input_ids=ids, attention_mask=mask, **{name: torch.ones(1)}).logits
+        again = ours(input_ids=ids, attention_mask=mask, **{name: torch.ones(1)}).logits
     expected = ref(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again, got)
-    reason = "argument attn_bias_scale=tensor[1] (not implemented by attnsel)"
+    reason = f"argument {name}=tensor[1] (not implemented by attnsel)"
     assert hf.fallbacks() == {reason: 4}  # 2 layers x 2 calls
     assert caplog.text.count(reason) == 1
+
+
+def word_tokenizer():
+    """A WordLevel tokenizer over the tiny models' 256 ids; "abcdef" is a word (StopStringCriteria tokenizes it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<s>", "<unk>", "abcdef"]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(256 - len(words))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                bos_token="<s>")
+
+
+def test_generate_with_a_tokenizer_is_served(saved, caplog):
+    """generate(tokenizer=tok, stop_strings=[...]) (and transformers' server, which always passes its tokenizer):
+    generate's decoding loop forwards the tokenizer to every forward and the model to every attention call. It does
+    not change the attention: every call is served by attnsel (it was handed back to the model's eager attention,
+    with the same tokens), counted per spec."""
+    cls, path = saved("llama")
+    ref, ours = dense_pair(cls, path)
+    ids, mask = padded_batch()
+    gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, tokenizer=word_tokenizer(),
+               stop_strings=["w40 w41", "abcdef"])
+    with caplog.at_level(logging.INFO, logger="attnsel"):
+        expected = ref.generate(input_ids=ids, attention_mask=mask, **gen)
+        got = ours.generate(input_ids=ids, attention_mask=mask, **gen)
+    assert torch.equal(expected, got)
+    assert hf.fallbacks() == {} and "handing the call back" not in caplog.text
+    forwards = got.shape[1] - ids.shape[1]  # one forward per new token: 2 layers each
+    assert {s.describe(): n for s, n in hf.served().items()} == {"4/2 heads, head_dim 16, fp32, page 16": 2 * forwards}
+
+
+def test_generate_only_arguments_are_those_transformers_generate_takes():
+    """hf_calls.GENERATE_ONLY is what transformers' generate takes for its decoding loop (and may forward to the
+    model): the keys of GenerationMixin._extract_generation_mode_kwargs with every one given."""
+    from transformers.generation.utils import GenerationMixin
+
+    from attnsel.integrations import hf_calls
+
+    kwargs = {"tokenizer": object(), "assistant_tokenizer": object(), "max_new_tokens": 3}
+    taken = GenerationMixin._extract_generation_mode_kwargs(None, None, kwargs, synced_gpus=False,
+                                                            assistant_model=object(), streamer=object())
+    assert set(taken) == hf_calls.GENERATE_ONLY
+    assert kwargs == {"max_new_tokens": 3}  # the rest go to the model as its own arguments
 
 
 def test_mask_pattern_attnsel_does_not_serve_is_handed_back(saved):

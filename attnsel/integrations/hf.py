@@ -10,7 +10,10 @@ device (same options, environment and cache as the CLI; logged as ``prefill: X, 
 serve (an argument it does not implement, a mask pattern it does not serve, value head dim != query head dim, a spec
 no backend supports) runs transformers' own implementation: the model's ``eager_attention_forward`` when the call
 carries a feature plain SDPA ignores (sinks, softcap, anything unknown), else transformers' ``sdpa_attention_forward``,
-with the 4D mask transformers' own mask builders make. Each reason is logged once and counted (``fallbacks()``).
+with the 4D mask transformers' own mask builders make. Each reason is logged once and counted (``fallbacks()``);
+the calls served are counted by spec (``served()``). Arguments that cannot change the attention (positions, output
+flags, and generate's own objects such as the tokenizer it forwards to every call) are no reason to hand back
+(``hf_calls`` says which and why).
 
 Dense path: the registered mask function returns a 2D key mask ``[B, n]`` (padding; columns past n are empty static
 cache slots; the queries are the last ``Sq`` of the n columns), unpadded into a ragged batch for prefill; one-token
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 
 from .. import AttentionSpec, Selection, SelectionError, SpecError, select
 from ..selection import plan_is_current
+from .hf_calls import PAGED, CallCounts, sdpa_ignores, unimplemented
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +48,9 @@ ENV_PREFILL, ENV_DECODE = "ATTNSEL_PREFILL_BACKEND", "ATTNSEL_DECODE_BACKEND"
 # attnsel's names of the activation dtypes it serves (AttentionSpec.dtype)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
-# Keyword arguments of an attention call. Served: become spec fields or run-time inputs. Irrelevant: do not change
-# the attention's result (positions are applied to q/k before the call; packed sequences show in the mask, which is
-# then 4D and handed back). Paged: continuous batching's plumbing, read by the paged path. Any other argument that
-# is set (not None) hands the call back to transformers, naming it.
-_SERVED = frozenset({"sliding_window", "softcap", "s_aux", "is_causal", "output_attentions"})
-_IRRELEVANT = frozenset({"position_ids", "use_cache", "output_router_logits", "output_hidden_states",
-                         "num_items_in_batch", "return_dict"})
-_PAGED = frozenset({"cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_seqlen_q", "max_seqlen_k", "read_index",
-                    "write_index", "block_table", "logits_indices", "logits_processor_args"})
-# Arguments transformers' sdpa_attention_forward honours (the rest it ignores: those calls go to the model's eager)
-_SDPA_HONOURS = frozenset({"is_causal", "position_bias", "sliding_window"}) | _IRRELEVANT
-
 _options: dict = {}
 _selections: dict = {}
-_logged: set = set()
-_fallbacks: dict[str, int] = {}
+_counts = CallCounts()  # the calls served and handed back since register() (hf_calls: which arguments hand back)
 _registrations = [0]
 _page_size_override: list = [None]  # select_for_model's page size during its warm-up forward
 
@@ -97,8 +88,7 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     _options.update(select_options)
     _options.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None})
     _selections.clear()
-    _logged.clear()
-    _fallbacks.clear()
+    _counts.clear()
     _registrations[0] += 1
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, key_mask)
@@ -130,14 +120,18 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
 
 def fallbacks() -> dict[str, int]:
     """Attention calls handed back to transformers since ``register()``, by reason."""
-    return dict(_fallbacks)
+    return dict(_counts.fallbacks)
 
 
-def _fall_back(reason: str) -> None:
-    _fallbacks[reason] = _fallbacks.get(reason, 0) + 1
-    if reason not in _logged:
-        _logged.add(reason)
-        log.warning("attnsel: handing the call back to transformers: %s", reason)
+def served() -> dict[AttentionSpec, int]:
+    """Attention calls attnsel served since ``register()`` (the dense and paged paths), by the call's spec. Counted
+    in Python: the replays of a captured CUDA graph are not counted."""
+    return dict(_counts.served)
+
+
+def call_summary() -> list[str]:
+    """The calls served (by spec) and handed back (by reason) since ``register()``, as two log lines."""
+    return _counts.summary()
 
 
 def model_spec(config, dtype: torch.dtype, page_size: int, scaling: float | None = None) -> AttentionSpec:
@@ -202,9 +196,9 @@ def _call_spec(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                kwargs: dict, page_size: int, plumbing: frozenset = frozenset()) -> tuple[Selection | None, str]:
     """(selection, "") when attnsel serves this call exactly, else (None, the reason). Remembered per module and
     call signature, so the hot path is a dict lookup after the first call of each kind."""
-    for name, val in kwargs.items():
-        if name not in _SERVED and name not in _IRRELEVANT and name not in plumbing and val is not None:
-            return None, f"argument {name}={_short(val)} (not implemented by attnsel)"
+    name = unimplemented(kwargs, plumbing)
+    if name is not None:
+        return None, f"argument {name}={_short(kwargs[name])} (not implemented by attnsel)"
     if kwargs.get("output_attentions"):
         return None, "output_attentions=True (attention weights)"
     if not _is_causal(module, kwargs):
@@ -284,8 +278,7 @@ def _transformers_attention(module, kwargs: dict):
     model's own eager attention (sinks, softcap and whatever else the model's arguments mean)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    ignored = [name for name, val in kwargs.items()
-               if name not in _SDPA_HONOURS and val is not None and not (name == "output_attentions" and not val)]
+    ignored = sdpa_ignores(kwargs)
     if not ignored:
         return sdpa_attention_forward, False
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
@@ -309,7 +302,7 @@ def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout,
         sliding_window_causal_mask_function,
     )
 
-    _fall_back(reason)
+    _counts.fall_back(reason)
     fn, float_mask = _transformers_attention(module, kwargs)
     batch, len_q, len_kv = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -489,6 +482,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
                             query.device)
     if plan.why:
         return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, plan.why)
+    _counts.serve(sel.spec)
     features = _run_inputs(kwargs)
     k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Skv, KVH, D] views
     if plan.decode:
@@ -530,13 +524,13 @@ def _paged_fallback(module, query, key, value, cache, cu_q, cu_k, read_index, wr
     eager attention (which, unlike paged|sdpa, honours sinks and softcap)."""
     from transformers.generation.continuous_batching.utils import build_attention_mask
 
-    _fall_back(f"{reason} (paged)")
+    _counts.fall_back(f"{reason} (paged)")
     k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
                         write_index=write_index)
     mask = torch.full((1, 1, query.shape[2], k.shape[0]), torch.finfo(query.dtype).min, dtype=query.dtype,
                       device=query.device)
     build_attention_mask(mask, cu_q.tolist(), cu_k.tolist(), sliding_window=cache_window)
-    model_kwargs = {n: val for n, val in kwargs.items() if n not in _PAGED}
+    model_kwargs = {n: val for n, val in kwargs.items() if n not in PAGED}
     fn, _ = _transformers_attention(module, model_kwargs)
     return fn(module, query, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scaling=scaling,
               dropout=dropout, **model_kwargs)
@@ -562,12 +556,13 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     group, layer_in_group = cache.layer_index_to_group_indices[module.layer_idx]
     block = cache.block_size
     window = kwargs.get("sliding_window")
-    sel, why = _call_spec(module, query, key, value, scaling, dropout, kwargs, block, plumbing=_PAGED)
+    sel, why = _call_spec(module, query, key, value, scaling, dropout, kwargs, block, plumbing=PAGED)
     if sel is not None and (window or 1) != cache_window:
         sel, why = None, f"the layer's sliding window ({window}) differs from its paged cache group's ({cache_window})"
     if sel is None:
         return _paged_fallback(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k, read_index,
                                write_index, cache_window, scaling, dropout, kwargs, why)
+    _counts.serve(sel.spec)
     features = _run_inputs(kwargs)
     tokens = query.shape[2]
     batch = cu_seq_lens_q.numel() - 1
