@@ -64,6 +64,31 @@ def test_late_wrong_plugin_diverges_from_the_reference_after_50_calls():
     assert all(e > 0.9 for e in errors[GOOD_CALLS:]), errors[GOOD_CALLS:]
 
 
+@pytest.mark.parametrize("spec", [SPEC, AttentionSpec(4, 2, 64, "bf16", page_size=4, sliding_window=6, sinks=True),
+                                  AttentionSpec(4, 1, 64, "fp16", page_size=4, softcap=20.0, kv_dtype="fp8_e4m3")],
+                         ids=["plain", "window-sinks", "softcap-fp8"])
+def test_served_reference_is_the_validation_reference(spec):
+    """The canary's copy of a decode call (the validation case's traps included: NaN in unused slots, sentinel
+    page ids) and of a prefill call gives the validation case's own float32 reference, and check_output's verdict."""
+    from attnsel.validate import cases, served
+
+    dec = decode_case(spec, CPU, lengths=[5, 17, 0, 9, 1])
+    kwargs = cases.run_kwargs(spec, dec)
+    snap = served.take("decode", (dec.page_table, dec.seq_lens), (dec.q.unsqueeze(1), dec.k_cache, dec.v_cache),
+                       kwargs, dec.ref.to(spec.torch_dtype).unsqueeze(1), pages=5)
+    refs = served.reference(spec, snap)
+    assert torch.equal(refs.ref, dec.ref)
+    assert served.judge(spec, snap, refs)["status"] == "valid"
+    snap.out[3] += 0.5
+    verdict = served.judge(spec, snap, refs)
+    assert verdict["status"] == "rejected" and "worst in sequence 3 (seq_len 9)" in verdict["reason"]
+    pre = prefill_case(spec, CPU, lengths=([3, 1, 6], [3, 4, 6]))
+    kwargs = {k: v for k, v in cases.run_kwargs(spec, pre).items() if k == "sinks"}
+    snap = served.take("prefill", (pre.cu_q, pre.cu_k), (pre.q, pre.k, pre.v), kwargs, pre.ref.to(spec.torch_dtype))
+    refs = served.reference(spec, snap)
+    assert torch.equal(refs.ref, pre.ref) and served.judge(spec, snap, refs)["status"] == "valid"
+
+
 def test_canary_every_batch_detects_logs_counts_demotes_and_drops_the_verdict(late, caplog, capsys):
     sel = select(SPEC, "torch", "auto", policy="priority", decode_priority=["late_wrong", "torch"], canary_every=1,
                  device="cpu")

@@ -10,7 +10,6 @@ the GPU); ``reference`` reads the copied metadata on the host and computes the r
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -21,7 +20,8 @@ from . import cases
 @dataclasses.dataclass
 class Snapshot:
     """Copies of one layer call. Prefill: meta (cu_q, cu_k), q/k/v as given. Decode: meta (page_table, seq_lens)
-    over a compact copy of the caches (only the pages the table's first columns name, renumbered 0..), q
+    over a compact copy of the caches (only the pages the table's first columns name, row by row: row b's pages
+    are b * width ..., the page table renumbered so), q
     ``[batch, heads, head_dim]``. kwargs: the run's feature inputs (sinks, k_scale, v_scale); out: the run's
     output (decode ``[batch, heads, head_dim]``), or what the run returned when it is not a tensor."""
 
@@ -77,14 +77,14 @@ def reference(spec: AttentionSpec, snap: Snapshot) -> Reference:
         return (cases.reference_attention(q, k, v, spec.scale, spec.causal, dtype=torch.float32, **args),
                 cases.reference_attention(q, k, v, spec.scale, spec.causal, dtype=dt, **args))
 
-    ref = torch.empty(snap.q.shape, dtype=torch.float32, device=snap.q.device)
-    low = torch.empty(snap.q.shape, dtype=dt, device=snap.q.device)
+    ref = torch.zeros(snap.q.shape, dtype=torch.float32, device=snap.q.device)
+    low = torch.zeros(snap.q.shape, dtype=dt, device=snap.q.device)
     if snap.phase == "prefill":
         cq, ck = (t.tolist() for t in snap.meta)
         if cq[-1] > snap.q.shape[0] or ck[-1] > snap.k.shape[0]:
             return Reference(None, None, (cq, ck), f"cu_seqlens ({cq[-1]} query and {ck[-1]} key tokens) past q "
                                                    f"({snap.q.shape[0]} rows) or k ({snap.k.shape[0]} rows)")
-        ref[cq[-1]:], low[cq[-1]:] = 0, 0  # rows past the batch's tokens (padding) are not judged (judge)
+        # rows past the batch's tokens (padding) stay 0 and are not judged (judge)
         for i in range(len(cq) - 1):
             r, lo = both(snap.q[cq[i]:cq[i + 1]], snap.k[ck[i]:ck[i + 1]], snap.v[ck[i]:ck[i + 1]])
             ref[cq[i]:cq[i + 1]], low[cq[i]:cq[i + 1]] = r, lo
@@ -95,14 +95,18 @@ def reference(spec: AttentionSpec, snap: Snapshot) -> Reference:
         return Reference(None, None, (lens,), f"a row of {max(lens)} tokens, past the plan's bound of "
                                               f"{table.shape[1] * ps} (max_seq_len or longest)")
     k_scale, v_scale = snap.kwargs.get("k_scale"), snap.kwargs.get("v_scale")
-    kvh, d = snap.k.shape[-2:]
+    # take() lays each row's pages out in order (row b: pages b * width ..): a row's tokens are a view
+    rows_k, rows_v = (t.view(len(lens), table.shape[1] * ps, *t.shape[2:]) for t in (snap.k, snap.v))
+    refs, lows = [], []
     for b, n in enumerate(lens):
-        pages = table[b, :math.ceil(n / ps)].long()
-        k = snap.k[pages].reshape(-1, kvh, d)[:n]
-        v = snap.v[pages].reshape(-1, kvh, d)[:n]
+        k, v = rows_k[b, :n], rows_v[b, :n]
         if k_scale is not None:  # fp8 cache: real value = stored value * scale
             k, v = k.float() * k_scale.float(), v.float() * v_scale.float()
-        ref[b:b + 1], low[b:b + 1] = both(snap.q[b:b + 1], k, v)
+        r, lo = both(snap.q[b:b + 1], k, v)
+        refs.append(r)
+        lows.append(lo)
+    if lens:
+        ref, low = torch.cat(refs), torch.cat(lows)
     return Reference(ref, low, (lens,))
 
 
