@@ -98,16 +98,32 @@ class ResultCache:
                 if timings:
                     merged["timings"] = timings
                 entries[key] = merged
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".results-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as fh:
-                    json.dump({"schema": SCHEMA, "entries": entries}, fh, indent=1, sort_keys=True)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            self._write(entries)
+
+    def drop(self, keys: list[str]) -> list[str]:
+        """Remove entries (a verdict the serving canary found wrong) so that the next selection validates them
+        again; returns the keys that were there."""
+        if not self.path.is_file():
+            return []
+        with self.lock:
+            entries = self._read()
+            removed = [k for k in keys if k in entries]
+            if removed:
+                self._write({k: e for k, e in entries.items() if k not in removed})
+        return removed
+
+    def _write(self, entries: dict) -> None:
+        """Replace the file atomically (the caller holds the lock)."""
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".results-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"schema": SCHEMA, "entries": entries}, fh, indent=1, sort_keys=True)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
     def entries(self) -> dict[str, dict]:
         return self._read()

@@ -467,6 +467,8 @@ def print_report(sel: Selection, args: argparse.Namespace, out: Console) -> None
               f"{stats['worker_wall_s']:.1f} s{timed}{rss}{mem}", highlight=False)
     for name, facts in _backend_extras(sel).items():
         out.print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in facts.items()), highlight=False, soft_wrap=True)
+    if sel.canary is not None:
+        out.print(sel.canary.summary(), highlight=False, markup=False, soft_wrap=True)
     for phase in sel.phases:
         out.print(choice_line(sel, phase), highlight=False, markup=False, soft_wrap=True)
 

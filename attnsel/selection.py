@@ -16,6 +16,7 @@ import torch
 from . import backends, metadata_values
 from .backends import PHASES, Phase, RunFn
 from .cache import ResultCache, entry_key
+from .canary import Canary, every_from
 from .device import fingerprint, kind as device_kind
 from .dist import agree
 from .spec import AttentionSpec
@@ -638,6 +639,7 @@ class Selection:
     cache: Literal["hit", "miss", "off"]
     device: dict
     stats: dict
+    canary: Canary | None = None  # opt-in (select's canary_every): checks one plan in N against the reference
 
     @property
     def prefill(self) -> str:
@@ -709,7 +711,13 @@ class Selection:
                                                  total_k)
         tokens = total_q if total_q is not None else seen[0] if seen else n * max_seqlen_q
         name = self.prefill_backend_for(n, tokens, max_seqlen_q)
+        sample = None
+        if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
+            name, sample = self.canary.serve("prefill", self.phases["prefill"], (n, tokens, max_seqlen_q), None,
+                                             name, cu_seqlens_q)
         run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if sample is not None:
+            run = sample.wrap(run, (cu_seqlens_q, cu_seqlens_k))
         if not checked:
             return run
         return checked_prefill(run, self.spec, cu_seqlens_q.get_device(), total_q, total_k, seen)
@@ -756,9 +764,16 @@ class Selection:
             ctx = max_seq_len
         else:
             ctx = page_table.shape[1] * self.spec.page_size
-        name = self.decode_backend_for(batch, ctx, longest if context_tokens is not None else None)
+        longest_row = longest if context_tokens is not None else None
+        name = self.decode_backend_for(batch, ctx, longest_row)
+        sample = None
+        if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
+            name, sample = self.canary.serve("decode", self.phases["decode"], (batch, ctx), longest_row, name,
+                                             seq_lens)
         backend = backends.get(name)
         run = backend.plan_decode(self.spec, page_table, seq_lens)
+        if sample is not None:
+            run = sample.wrap(run, (page_table, seq_lens), longest if longest is not None else max_seq_len)
         b1hd = q_layout == "b1hd"
         if b1hd and not backends.decode_takes_b1hd(backend):
             run = viewed_b1hd(run)
@@ -768,7 +783,8 @@ class Selection:
 
     def to_json(self) -> dict:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,
-                "mode": self.mode, "device": self.device, "spec": self.spec.to_dict(), "stats": self.stats}
+                "mode": self.mode, "device": self.device, "spec": self.spec.to_dict(), "stats": self.stats,
+                "canary": self.canary.report() if self.canary is not None else None}
 
     def summary(self) -> str:
         parts = []
@@ -810,7 +826,7 @@ def _check_choice(label: str, value: str, allowed) -> None:
 def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, policy: str = "measure",
            mode: str = "eager", prefill_priority: list[str] | None = None, decode_priority: list[str] | None = None,
            timeout: float | None = None, cache_dir: str | None = None, use_cache: bool = True,
-           device: str | None = None, budget_s: float | None = None) -> Selection:
+           device: str | None = None, budget_s: float | None = None, canary_every: int | None = None) -> Selection:
     """Pick the backends per phase. ``prefill``/``decode``: "auto" or a backend name (validated, never replaced).
 
     policy "measure" times every valid candidate of an automatic phase on a grid of shape buckets in ``mode``
@@ -820,6 +836,9 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     "graph" every candidate must also be captured and replayed correctly in a CUDA graph. ``budget_s``: seconds of
     bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 50; a tight budget gives a coarser grid).
     With torch.distributed initialised, rank 0 decides and every rank gets the same Selection.
+    ``canary_every``: N > 0 recomputes one planned batch in N (per phase and backend) by the float32 reference while
+    serving and demotes a backend that fails the check (module canary; the Selection's ``canary``); 0 off; None
+    reads $ATTNSEL_CANARY (default off).
     Raises UnknownBackendError/ValueError for bad names and SelectionError when a phase cannot be served (its
     ``selection`` attribute holds what was found).
     """
@@ -841,6 +860,7 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     from .backends.flashinfer import workspace_bytes
     workspace_bytes()
     metadata_values.enabled()  # and ATTNSEL_CHECK_METADATA, read at every plan
+    every = every_from(canary_every)  # and ATTNSEL_CANARY
     if budget_s is None:
         budget_s = timing.budget_from_env()
     elif not budget_s > 0:
@@ -871,8 +891,13 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     # What decides the answer; timeout, budget and cache only shape rank 0's work (each rank may set its own).
     question = {"spec": spec, "prefill": prefill, "decode": decode, "prefill_priority": orders["prefill"],
                 "decode_priority": orders["decode"], "policy": policy, "mode": mode, "device": device_kind(device)}
-    return agree(lambda: _select(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
-                                 budget_s), question)
+    selection = agree(lambda: _select(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
+                                      budget_s), question)
+    if not every:
+        return selection
+    canary = Canary(every, spec, fingerprint=selection.device, device=device,
+                    cache=ResultCache(cache_dir) if use_cache else None)  # per process: each rank its own
+    return dataclasses.replace(selection, canary=canary)
 
 
 def table_key(fp: dict, spec: AttentionSpec, phase: str, mode: str, candidates: list[tuple[str, str | None]]) -> str:
