@@ -344,3 +344,35 @@ def test_heldout_plumbing_end_to_end_on_cpu(monkeypatch, tmp_path):
     console.print(bench_heldout.summary_table(summary, "title"))
     shown = console.export_text()
     assert "within 3% [95% CI]" in shown and "batch bound" in shown and "40/8 d64 fp16" in shown
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_heldout_run_on_the_gpu(capsys, monkeypatch, tmp_path):
+    """The whole held-out run on a GPU, small: 40/8 heads, torch and Triton, 2 prefill and 3 decode cells per mode,
+    an 8 s timing budget (a check of the plumbing on real kernels, not a measurement)."""
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ATTNSEL_TIMING_BUDGET_S", "8")
+    argv = ["bench", "--heldout", "3", "--specs", "40/8", "--backends", "torch,triton", "--cells", "2,3", "--out",
+            str(tmp_path / "out")]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    data = json.loads((tmp_path / "out" / "heldout.json").read_text())
+    meta = data["heldout"]
+    assert meta["seed"] == 3 and meta["command"] == "attnsel " + " ".join(argv) and meta["device"]["gpu"]
+    assert meta["date"] and meta["cells_per_phase"] == {"prefill": 2, "decode": 3} and meta["modes"] == ["eager",
+                                                                                                           "graph"]
+    rows = data["comparison"]
+    assert len(rows) == 2 * (2 + 3) and {r["spec"] for r in rows} == {"40/8"}
+    spec = AttentionSpec(40, 8, 128)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for mode in ("eager", "graph"):
+        for phase in ("prefill", "decode"):
+            drawn = sample_cells(spec, phase, mode, 3, 2 if phase == "prefill" else 3, sms)
+            assert [tuple(r["lens"]) for r in rows if (r["phase"], r["mode"]) == (phase, mode)] == [c.lens
+                                                                                                    for c in drawn]
+    for r in rows:
+        assert r["selected"] in ("torch", "triton") and r["static"] == "triton" and r["selected_ratio"] >= 1.0
+    strategies = {(s["phase"], s["mode"], s["strategy"]) for s in data["summary"]}
+    assert ("decode", "graph", "batch_bound") in strategies and ("prefill", "eager", "selected") in strategies
+    assert "within 3% [95% CI]" in out and (tmp_path / "out" / "heldout.md").exists()
