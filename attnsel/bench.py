@@ -373,11 +373,11 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, out: str, quick: bool,
-              console: Console, repeats: int = 1) -> int:
-    """Bench ``base`` (a spec, a list of specs, or None: the default specs) over the grid with ``names`` (None: every backend) in ``mode``
-    ("eager", "graph" or "both"), ``repeats`` passes, writing bench.md/json/png under ``out``. Needs a CUDA device
-    (RuntimeError)."""
+def run_bench(base: AttentionSpec | list[AttentionSpec] | None, names: list[str] | None, mode: str, out: str,
+              quick: bool, console: Console, repeats: int = 1) -> int:
+    """Bench ``base`` (a spec, a list of specs, or None: the default specs) over the grid with ``names`` (None:
+    every backend) in ``mode`` ("eager", "graph" or "both"), ``repeats`` passes, writing bench.md/json/png under
+    ``out``. Needs a CUDA device (RuntimeError)."""
     if not torch.cuda.is_available():
         raise RuntimeError("attnsel bench times kernels on a CUDA device; none was found")
     device = torch.device("cuda", torch.cuda.current_device())

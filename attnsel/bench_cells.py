@@ -9,10 +9,11 @@ a batch of 2+ sequences is uniform (one length drawn for all) or ragged (each le
 Decode: batch sizes log-uniform over 1..512; under CUDA graphs rounded up to the next batch size that vLLM captures
 by default (1, 2, 4, 8..248 in steps of 8, 256..512 in steps of 16: an engine pads a batch to its graph's size).
 Contexts are lognormal, truncated (values outside redrawn) to 16..min(32768, ``DECODE_TOKEN_CAP`` / batch): at most
-2^20 KV tokens in a batch (4 GiB of bf16 KV at 8 KV heads x head_dim 128, the selection's own cap; at most
-bench.MAX_KV_BYTES for any spec). A uniform batch draws one context (median 1024, sigma 1.5: heavy on both
-sides); a ragged one draws its median that way and each row's context around it (sigma 1.0: the longest of 64 rows
-is typically ~7x the mean, so most ragged batches reach the ragged sub-table's skew), half and half.
+2^20 KV tokens in a batch (4 GiB of bf16 KV at 8 KV heads x head_dim 128, the selection's own cap; lower where a
+spec's KV would pass bench.MAX_KV_BYTES, ``decode_token_cap``). A uniform batch draws one context (median 1024,
+sigma 1.5: heavy on both sides); a ragged one draws its median that way and each row's context around it (sigma 1.0:
+the longest of 64 rows is typically ~7x the mean, so most ragged batches reach the ragged sub-table's skew), half
+and half.
 
 Off the grid: a cell whose dispatch point is a timed bucket's (prefill: (sequences, total tokens, longest); decode:
 (batch, mean context), uniform or ragged grid) or that repeats an earlier cell is drawn again. Under CUDA graphs the
