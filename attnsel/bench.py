@@ -92,7 +92,9 @@ def valid_backends(spec: AttentionSpec, phase: str, names: list[str], device: to
     return status
 
 
-def grid_specs(quick: bool, base: AttentionSpec | None) -> list[AttentionSpec]:
+def grid_specs(quick: bool, base: AttentionSpec | list[AttentionSpec] | None) -> list[AttentionSpec]:
+    if isinstance(base, list):
+        return base
     if base is not None:
         return [base]
     if quick:
@@ -123,15 +125,25 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
     return out
 
 
+def spec_label(spec: AttentionSpec | dict) -> str:
+    """A spec in a bench table: "Q/KV" heads, with head_dim, dtype and page size where not 128, bf16 and 16."""
+    d = spec.to_dict() if isinstance(spec, AttentionSpec) else spec
+    parts = [f"{d['num_q_heads']}/{d['num_kv_heads']}"]
+    parts += [f"d{d['head_dim']}"] if d["head_dim"] != 128 else []
+    parts += [d["dtype"]] if d["dtype"] != "bf16" else []
+    return " ".join(parts + ([f"page {d['page_size']}"] if d["page_size"] != 16 else []))
+
+
 def static_choice(valid: list[str]) -> str | None:
     return next((n for n in STATIC_PRIORITY if n in valid), None)
 
 
 def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: bool, device: torch.device,
-             probe: dict, progress, repeats: int = 1) -> tuple[list[Cell], dict, list[tuple]]:
+             probe: dict, progress, repeats: int = 1, grid=None) -> tuple[list[Cell], dict, list[tuple]]:
     """Time the grid ``repeats`` times (whole passes one after another, so that a cell's passes are tens of seconds
     apart); a cell's time per backend is the median over the passes (a backend with an error in any pass has no
-    time). Returns the cells, the validity checks and per (phase, mode, shape) what compare() needs."""
+    time). ``grid(phase, mode)``: the (label, key, shape, work) cells of that phase and mode instead of shapes()'s.
+    Returns the cells, the validity checks and per (phase, mode, shape) what compare() needs."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     checks, plan = {}, []
@@ -140,16 +152,17 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
         checks[phase] = status
         runnable = [n for n, why in status.items() if not why]
         cands = {n: backends.get(n) for n in runnable}
-        for label, key, shape, work in shapes(spec, phase, quick):
-            for mode in modes:
-                plan.append((phase, mode, label, key, shape, work, runnable, cands))
+        if grid is None:
+            plan += [(phase, mode, *cell, runnable, cands) for cell in shapes(spec, phase, quick) for mode in modes]
+        else:
+            plan += [(phase, mode, *cell, runnable, cands) for mode in modes for cell in grid(phase, mode)]
     passes: list[list[dict]] = []
     for p in range(repeats):
         timed_pass = []
         for phase, mode, label, key, shape, work, runnable, cands in plan:
             timed = timing.time_bucket(cands, spec, phase, shape, device, mode, timing.reps_for(mode, device))
             timed_pass.append(timed)
-            progress(f"{spec.num_q_heads}/{spec.num_kv_heads} d{spec.head_dim} {phase} {label} {mode}"
+            progress(f"{spec_label(spec)} {phase} {label} {mode}"
                      f"{f' (pass {p + 1} of {repeats})' if repeats > 1 else ''}: " +
                      ", ".join(f"{n} {timed['us'][n]:.1f}us" if n in timed["us"] else f"{n} error" for n in runnable))
             torch.cuda.empty_cache()
@@ -185,7 +198,7 @@ def compare(spec: AttentionSpec, phase: str, mode: str, label: str, key: tuple, 
     """One cell's comparison: the fastest backend and each strategy's choice with its time over the fastest."""
     by_name = {c.backend: c for c in row if c.us}
     fastest = min(by_name.values(), key=lambda c: c.us)
-    out = {"spec": f"{spec.num_q_heads}/{spec.num_kv_heads}", "phase": phase, "mode": mode, "shape": label,
+    out = {"spec": spec_label(spec), "phase": phase, "mode": mode, "shape": label,
            "fastest": fastest.backend, "fastest_us": fastest.us}
     picks = {"static": static_choice(runnable)}
     if sel is not None:
@@ -260,7 +273,7 @@ def markdown(cells: list[Cell], probe: dict, rows: list[dict], summary: list[dic
                   "| shape | " + " | ".join(names) + " | fastest | " +
                   " | ".join(x.replace("_", " ") for x in strategies) + " |",
                   "|---" * (len(names) + 2 + len(strategies)) + "|"]
-        sname = f"{spec['num_q_heads']}/{spec['num_kv_heads']}"
+        sname = spec_label(spec)
         for shape in dict.fromkeys(c.shape for c in group):
             row = {c.backend: c for c in group if c.shape == shape}
             cols = []
@@ -299,6 +312,26 @@ def _pick(row: dict, strategy: str) -> str:
     if not name:
         return ""
     return f"{name} {ratio:.2f}x" if ratio else f"{name} (no time)"
+
+
+def select_modes(spec: AttentionSpec, modes: list[str], device: torch.device, records: list[dict]) -> dict:
+    """mode -> the Selection of ``spec`` (a mode whose selection failed is missing, with a warning); appends each
+    selection's record (choices, cache, wall time, stats, dispatch tables) to ``records``."""
+    choices = {}
+    for mode in modes:
+        t_sel = time.perf_counter()
+        try:
+            choices[mode] = select(spec, mode=mode, device=str(device))
+        except Exception as exc:
+            log.warning("selection for %s (%s) failed: %s", spec.describe(), mode, exc)
+            continue
+        sel = choices[mode]
+        records.append({"spec": spec.to_dict(), "mode": mode, "prefill": sel.prefill, "decode": sel.decode,
+                        "cache": sel.cache, "wall_s": time.perf_counter() - t_sel, "stats": sel.stats,
+                        "dispatch": {p: t.to_json() if t else None for p, t in sel.dispatch.items()}})
+        log.info("selection (%s, %s, cache %s) in %.1f s: %s", spec.describe(), mode, sel.cache,
+                 time.perf_counter() - t_sel, sel.summary())
+    return choices
 
 
 def plot(cells: list[Cell], path: Path) -> None:
@@ -340,11 +373,11 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, out: str, quick: bool,
-              console: Console, repeats: int = 1) -> int:
-    """Bench ``base`` (None: the default specs) over the grid with ``names`` (None: every backend) in ``mode``
-    ("eager", "graph" or "both"), ``repeats`` passes, writing bench.md/json/png under ``out``. Needs a CUDA device
-    (RuntimeError)."""
+def run_bench(base: AttentionSpec | list[AttentionSpec] | None, names: list[str] | None, mode: str, out: str,
+              quick: bool, console: Console, repeats: int = 1) -> int:
+    """Bench ``base`` (a spec, a list of specs, or None: the default specs) over the grid with ``names`` (None:
+    every backend) in ``mode`` ("eager", "graph" or "both"), ``repeats`` passes, writing bench.md/json/png under
+    ``out``. Needs a CUDA device (RuntimeError)."""
     if not torch.cuda.is_available():
         raise RuntimeError("attnsel bench times kernels on a CUDA device; none was found")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -365,20 +398,7 @@ def run_bench(base: AttentionSpec | None, names: list[str] | None, mode: str, ou
                                                     repeats)
         cells += spec_cells
         checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
-        choices = {}
-        for mode in modes:
-            t_sel = time.perf_counter()
-            try:
-                choices[mode] = select(spec, mode=mode, device=str(device))
-            except Exception as exc:
-                log.warning("selection for %s (%s) failed: %s", spec.describe(), mode, exc)
-                continue
-            sel = choices[mode]
-            selections.append({"spec": spec.to_dict(), "mode": mode, "prefill": sel.prefill, "decode": sel.decode,
-                               "cache": sel.cache, "wall_s": time.perf_counter() - t_sel, "stats": sel.stats,
-                               "dispatch": {p: t.to_json() if t else None for p, t in sel.dispatch.items()}})
-            log.info("selection (%s, %s, cache %s) in %.1f s: %s", spec.describe(), mode, sel.cache,
-                     time.perf_counter() - t_sel, sel.summary())
+        choices = select_modes(spec, modes, device, selections)
         rows += [compare(spec, phase, mode, label, key, row, runnable, choices.get(mode))
                  for phase, mode, label, key, row, runnable in groups]
         summary = summarise(rows)  # written after every spec: a bench cut short keeps the specs it finished

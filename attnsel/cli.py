@@ -15,8 +15,9 @@ from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__, backends, serve
+from . import __version__, backends, bench_args, serve
 from .backends import UnknownBackendError
+from .bench_args import comma_names as _names
 from .cache import ResultCache
 from .selection import AUTO, DEFAULT_PRIORITY, MODES, POLICIES, Selection, SelectionError, select
 from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs, short_dtype_name
@@ -42,10 +43,6 @@ class UsageError(ValueError):
 
 class CannotRun(RuntimeError):
     """The input is fine but this machine cannot do it (exit 3): `bench` or `--mode graph` without a CUDA device."""
-
-
-def _names(text: str) -> list[str]:
-    return [n.strip() for n in text.split(",") if n.strip()]
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -519,18 +516,25 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     import torch
 
     from .bench import run_bench
+    from .bench_heldout import DEFAULT_CELLS, HELDOUT_SPECS, run_heldout
 
-    if any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim")):
-        spec_from_args(args)  # bad input is exit 2 on any machine
+    flags = (["--config"] if args.config else []) + [FIELD_FLAGS[f] for f in _given(args) if f != "page_size"]
+    bench_args.check(args, flags)  # --specs takes --page-size alone of the spec flags
+    given = any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim"))
+    base = spec_from_args(args) if given else None  # bad input is exit 2 on any machine
+    base = bench_args.parse_specs(args.specs, args.page_size) if args.specs is not None else base
     for name in args.backends or ():
         _check_backend_choice("--backends", name, allow_auto=False)
     if args.repeats < 1:
         raise UsageError(f"--repeats must be a whole number of passes, at least 1; got {args.repeats}")
+    seed = bench_args.parse_seed(args.heldout) if args.heldout is not None else None
+    counts = bench_args.parse_cells(args.cells, DEFAULT_CELLS)
     if not torch.cuda.is_available():
         raise CannotRun("attnsel bench times kernels on a CUDA device; none was found")
-    given = any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim"))
-    return run_bench(spec_from_args(args) if given else None, args.backends, args.mode, args.out, args.quick,
-                     Console(), args.repeats)
+    if seed is not None:
+        return run_heldout(base if isinstance(base, list) else [base] if base else HELDOUT_SPECS, args.backends,
+                           args.mode, args.out, seed, counts, Console(), args.repeats, args.argv)
+    return run_bench(base, args.backends, args.mode, args.out, args.quick, Console(), args.repeats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -549,13 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_select)
     p = sub.add_parser("bench", help="time every valid backend over a grid of shapes (needs CUDA)")
     add_spec_args(p)
-    p.add_argument("--backends", type=_names, metavar="A,B,...", help="backends to time (default: all available)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both", help="eager launches, CUDA graphs, or both")
-    p.add_argument("--out", metavar="DIR", default="bench-out", help="where to write the table and plot")
-    p.add_argument("--quick", action="store_true", help="a smaller grid")
-    p.add_argument("--repeats", type=int, default=1, metavar="N",
-                   help="time the whole grid N times; a cell's time is the median over the passes, and the summary "
-                        "adds how often the first pass's fastest stays within 3%% in the later ones (default 1)")
+    bench_args.add_bench_args(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("cache", help="show, locate or clear the result cache")
     p.add_argument("action", choices=("show", "path", "clear"))

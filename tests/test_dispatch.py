@@ -614,7 +614,7 @@ def test_bench_plumbing_on_tiny_cpu_shapes(monkeypatch, tmp_path):
     assert rows[3]["selected"] == "triton" and rows[2]["selected"] == "torch"
     assert rows[0]["selected"] == "torch" and rows[0]["static"] == "triton"
     text = bench.markdown(cells, probe, rows, bench.summarise(rows), "# header")
-    assert "| ragged 2 (max 17) |" in text and "| 4/2 | decode | eager | selected |" in text
+    assert "| ragged 2 (max 17) |" in text and "| 4/2 d64 fp16 | decode | eager | selected |" in text
 
 
 def test_bench_repeats_take_the_median_and_check_the_first_pass(monkeypatch):
@@ -659,7 +659,7 @@ def test_bench_repeats_take_the_median_and_check_the_first_pass(monkeypatch):
                    pytest.approx(12.5 / 10.5)), ("decode", "static"): (0, 1, 1, None), ("decode", "repeat"): (0, 1, 1,
                                                                                                         None)}
     text = bench.markdown(cells, probe, rows, summary, "# header")
-    assert "| 4/2 | decode | eager | repeat | 0/1 (1 without a time) | - | - |" in text
+    assert "| 4/2 d64 fp16 | decode | eager | repeat | 0/1 (1 without a time) | - | - |" in text
     assert "12.0 us ±0% (passes: 9.0 / 12.0 / 13.0)" in text and "| fastest | selected | one backend | static | " \
         "repeat |" in text and "triton (no time)" in text
     with pytest.raises(ValueError, match="repeats must be at least 1, got 0"):

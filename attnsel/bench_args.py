@@ -1,0 +1,92 @@
+"""`attnsel bench`'s own flags: the fixed grid's (--backends, --mode, --out, --quick, --repeats), the specs to bench
+(--specs) and the held-out evaluation (--heldout SEED, --cells), with the checks that turn a bad value into a clear
+error (ValueError: exit 2) before any device is touched."""
+from __future__ import annotations
+
+import argparse
+import re
+
+from .selection import MODES
+from .spec import DTYPES, AttentionSpec, SpecError, short_dtype_name
+
+SPEC_FORMAT = "Q/KV[/HEAD_DIM][/DTYPE]"
+
+
+def comma_names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", type=comma_names, metavar="A,B,...", help="backends to time (default: all available)")
+    p.add_argument("--mode", choices=(*MODES, "both"), default="both", help="eager launches, CUDA graphs, or both")
+    p.add_argument("--out", metavar="DIR", default="bench-out", help="where to write the table and plot")
+    p.add_argument("--quick", action="store_true", help="a smaller grid")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="time the whole grid N times; a cell's time is the median over the passes, and the summary "
+                        "adds how often the first pass's fastest stays within 3%% in the later ones (default 1)")
+    p.add_argument("--specs", metavar=f"{SPEC_FORMAT},...",
+                   help="the specs to bench instead of the default ones, e.g. 32/8,40/8/128,32/8/64/fp16 (head_dim "
+                        "128 and bf16 unless given; page size from --page-size, default 16)")
+    g = p.add_argument_group("held-out evaluation", "judge the dispatch on cells drawn at random (prefill: 1-64 "
+                             "prompts of 16-32768 tokens, 65536 at most in all; decode: batches of 1-512, heavy-tailed "
+                             "contexts of 16-32768, 2^20 KV tokens at most; ragged and uniform), none on the timed "
+                             "grid; default specs: 32/8, 28/4, 8/1, 40/8, 48/8, 32/8/64, 16/8/256, 32/8/fp16")
+    g.add_argument("--heldout", metavar="SEED", help="draw the cells with this seed (a non-negative integer); "
+                                                     "writes heldout.json and heldout.md to --out")
+    g.add_argument("--cells", metavar="N or PREFILL,DECODE",
+                   help="cells per spec, phase and launch mode (default 12 prefill, 24 decode)")
+
+
+def parse_seed(text: str) -> int:
+    if not re.fullmatch(r"[0-9]+", text.strip()):
+        raise ValueError(f"--heldout takes the seed of the draw, a non-negative integer (e.g. --heldout 1); got "
+                         f"{text!r}")
+    return int(text)
+
+
+def parse_cells(text: str, default: dict) -> dict:
+    """``N`` (both phases) or ``PREFILL,DECODE``: cells per spec, phase and mode, each 1 to 1000."""
+    if text is None:
+        return dict(default)
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (1, 2) or not all(re.fullmatch(r"[0-9]+", p) and 1 <= int(p) <= 1000 for p in parts):
+        raise ValueError(f"--cells takes N or PREFILL,DECODE, whole numbers of cells from 1 to 1000 (e.g. --cells 8 "
+                         f"or --cells 8,16); got {text!r}")
+    counts = [int(p) for p in parts]
+    return {"prefill": counts[0], "decode": counts[-1]}
+
+
+def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
+    """Comma-separated ``Q/KV[/HEAD_DIM][/DTYPE]`` items (head_dim 128, bf16 unless given)."""
+    specs = []
+    for item in (i.strip() for i in text.split(",")):
+        fields = item.split("/")
+        try:
+            if not 2 <= len(fields) <= 4 or not all(re.fullmatch(r"[0-9]+", f) for f in fields[:2]):
+                raise SpecError("expected Q/KV heads first")
+            head_dim, dtype = 128, "bf16"
+            for extra in fields[2:]:
+                if re.fullmatch(r"[0-9]+", extra):
+                    head_dim = int(extra)
+                elif short_dtype_name(extra) in DTYPES:
+                    dtype = short_dtype_name(extra)
+                else:
+                    raise SpecError(f"{extra!r} is neither a head_dim nor a dtype ({', '.join(DTYPES)})")
+            specs.append(AttentionSpec(int(fields[0]), int(fields[1]), head_dim, dtype,
+                                       16 if page_size is None else page_size))
+        except SpecError as exc:
+            raise ValueError(f"--specs item {item!r}: {exc}; each item is {SPEC_FORMAT}, e.g. 32/8 or 32/8/64/fp16"
+                             ) from None
+    return specs
+
+
+def check(args: argparse.Namespace, spec_flags: list[str]) -> None:
+    """The combinations that make no sense: --cells without --heldout, --quick with it, --specs beside spec flags
+    (``spec_flags``: those given, --page-size aside, which --specs uses)."""
+    if args.cells is not None and args.heldout is None:
+        raise ValueError("--cells sets the held-out cells per phase: give --heldout SEED too")
+    if args.quick and args.heldout is not None:
+        raise ValueError("--quick picks the fixed grid's smaller set; with --heldout set the cells with --cells")
+    if args.specs is not None and spec_flags:
+        raise ValueError(f"--specs gives each spec's heads, head_dim and dtype; it does not go with "
+                         f"{', '.join(spec_flags)} (use one or the other)")
