@@ -13,15 +13,18 @@
   one_buffer: the same buffer recomputed on every run (correct: must pass).
 - mutate_prefill / mutate_decode: correct output, then ``q.mul_(2)``; scribble_cache: correct output, then NaN
   written into the key cache's first page; mutate_then_raise: ``q.mul_(2)`` then raises.
-- sloppy: attention computed in the activation dtype by plain matmul/softmax (what the tolerance is derived from).
+- sloppy: attention computed in the activation dtype by plain matmul/softmax (the old yardstick: with a softcap its
+  bf16 scores are off by ~0.1 and the rows' check rejects it).
+- Yardstick faults (YARDSTICK_FAULTS, tests/test_yardstick.py): ignore_scale, the torch backend with the default
+  softmax scale 1/sqrt(head_dim) instead of the spec's (Gemma 2 27B: 1/sqrt(144) at head_dim 128); drop_last_keys,
+  the torch backend without the last DROP_KEYS keys of the sequence with the most keys (a skipped last tile).
 - Feature bugs (a backend that claims a feature and gets it wrong): no_window, window_plus_one, window_minus_one,
   no_softcap, no_sinks, ignore_kv_scale, swap_kv_scale.
 - broken torch (BROKEN_TORCH, named "torch": it replaces the built-in): top_left prefill and old_torch decode;
   torch_copy: the real torch backend under another name.
-- precise / biased (PRECISE_AND_BIASED): decode computed in float32 and rounded once (an error far below torch's);
-  biased adds 0.0362 to one output element of batches of more than one row: within the bf16 tolerance of a
-  4/2-head, d64 spec (0.0379 on the validation cases), but above the outlier limit there (8 x precise's 0.0023 +
-  0.016 = 0.0346), so the cross-candidate outlier rule rejects it; the tests assert both statuses.
+- precise / biased (PRECISE_AND_BIASED): decode computed in float32 and rounded once; biased adds 0.0362 to one
+  output element of batches of more than one row (the first row's: a one-key row, tolerance the bf16 floor 0.016):
+  its own check rejects it (under one tolerance per case, 0.0379, only the cross-candidate outlier rule did).
 """
 from __future__ import annotations
 
@@ -30,8 +33,8 @@ import dataclasses
 import torch
 
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
-from attnsel.backends.torch_sdpa import sdpa, seq_bounds
-from attnsel.validate.cases import reference_attention
+from attnsel.backends.torch_sdpa import attend_math, sdpa, seq_bounds, visible
+from attnsel.validate.yardstick import reference_attention
 
 
 def old_torch_plan_decode(spec, page_table, seq_lens):
@@ -175,6 +178,38 @@ def _scales(transform):
     return wrapped
 
 
+DROP_KEYS = 64
+
+
+def _drop_last_prefill(spec, cu_q, cu_k, max_q, max_k):
+    """torch's prefill, the sequence with the most keys computed without its last DROP_KEYS keys (every query that
+    sees them loses them; float32 softmax, as torch's softcap path)."""
+    run = TORCH.plan_prefill(spec, cu_q, cu_k, max_q, max_k)
+    lk = (cu_k[1:] - cu_k[:-1]).tolist()
+    b = max(range(len(lk)), key=lambda i: lk[i])
+    qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1]) - DROP_KEYS
+    seen = visible(spec, qe - qs, lk[b], cu_q.device)
+    mask = None if seen is None else seen[:, :ke - ks][None, None]
+
+    def run_dropping(q, k, v, **kwargs):
+        out = run(q, k, v, **kwargs)
+        if ke > ks and qe > qs:
+            qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[qs:qe], k[ks:ke], v[ks:ke]))
+            o = attend_math(qb, kb, vb, spec.scale, mask=mask, softcap=spec.softcap, sinks=kwargs.get("sinks"))
+            out[qs:qe] = o[0].transpose(0, 1)
+        return out
+
+    return run_dropping
+
+
+def _drop_last_decode(spec, page_table, seq_lens):
+    """torch's decode, the longest sequence read without its last DROP_KEYS keys."""
+    lens = seq_lens.clone()
+    b = int(lens.argmax())
+    lens[b] = max(1, int(lens[b]) - DROP_KEYS)
+    return TORCH.plan_decode(spec, page_table, lens)
+
+
 def _stale_after(first_good: int):
     """plan function of the torch backend whose first ``first_good`` runs are right and whose later runs leave the
     second half of the rows as zeros: a kernel that skips work once a scheduler counter it never resets has run up
@@ -271,6 +306,9 @@ FEATURE_BUGS = {
 
 ALL = [OLD_TORCH, STALE_PLAN, SKIP_WORK, WRONG_WHEN_ALONE, TOP_LEFT, OFF_BY_ONE, MUTATE_PREFILL, MUTATE_DECODE,
        SCRIBBLE_CACHE, MUTATE_THEN_RAISE, SLOPPY, *FEATURE_BUGS.values()]
+YARDSTICK_FAULTS = [Plugin("ignore_scale", _with_spec(TORCH.plan_prefill, softmax_scale=None),
+                           _with_spec(TORCH.plan_decode, softmax_scale=None)),
+                    Plugin("drop_last_keys", _drop_last_prefill, _drop_last_decode)]
 TORCH_COPY = Plugin("torch_copy")  # the torch backend under another name (a fallback next to BROKEN_TORCH)
 
 
