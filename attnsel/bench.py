@@ -29,11 +29,12 @@ from .selection import select
 from .spec import AttentionSpec
 from .validate import cases, timing
 from .validate.cases import check_output
+from .validate.grid import decode_bytes, prefill_flops, prefill_key, prefill_label, ragged_key
 from .validate.timing import probes
 
 log = logging.getLogger(__name__)
 
-# Shapes between and beyond the selection's timed buckets (timing.PREFILL_* / DECODE_*), never on them.
+# Shapes between and beyond the selection's timed buckets (validate.grid's PREFILL_* / DECODE_*), never on them.
 PREFILL_GRID = [[100], [400], [1500], [5000], [12000], [700] * 3, [300] * 10, [100] * 40,
                 [13, 3000, 777, 1500, 100, 1], [2500] + [50] * 20]
 DECODE_BATCHES = (1, 3, 12, 48, 100, 200)
@@ -65,7 +66,7 @@ class Cell:
     vs_read: float | None = None  # decode: achieved bandwidth / read-only probe
     spread: float | None = None  # (max - min) / median of the interleaved samples (the largest over the passes)
     passes: list | None = None  # with --repeats > 1: each pass's time (None: an error in that pass); us is their median
-    host_us: list | None = None  # eager on CUDA: each pass's host probe for the cell (timing.host_probe), as the
+    host_us: list | None = None  # eager on CUDA: each pass's host probe for the cell (validate.host_probe), as the
     # selection records per bucket: which passes ran on a slow host
 
 
@@ -105,7 +106,7 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
     out = []
     if phase == "prefill":
         for lens in (QUICK_PREFILL if quick else PREFILL_GRID):
-            out.append((timing.prefill_label(lens), timing.prefill_key(lens), lens, timing.prefill_flops(spec, lens)))
+            out.append((prefill_label(lens), prefill_key(lens), lens, prefill_flops(spec, lens)))
         return out
     grid = QUICK_DECODE if quick else [(b, c) for b in DECODE_BATCHES for c in DECODE_CTX] + RAGGED_DECODES
     item = torch.finfo(spec.torch_dtype).bits // 8
@@ -114,10 +115,10 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
             # dispatched as an engine plans it: by the mean context and the longest row (Selection.plan_decode's
             # context_tokens and longest)
             label = f"ragged {len(shape)} (max {max(shape)})"
-            key = (*timing.ragged_key(shape), max(shape))
+            key = (*ragged_key(shape), max(shape))
             work = 2 * sum(shape) * spec.num_kv_heads * spec.head_dim * item
         else:
-            label, key, work = f"{shape[0]}x{shape[1]}", shape, timing.decode_bytes(spec, *shape)
+            label, key, work = f"{shape[0]}x{shape[1]}", shape, decode_bytes(spec, *shape)
         if work <= MAX_KV_BYTES:
             out.append((label, tuple(key), shape, work))
     return out
