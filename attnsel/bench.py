@@ -40,14 +40,15 @@ PREFILL_GRID = [[100], [400], [1500], [5000], [12000], [700] * 3, [300] * 10, [1
 DECODE_BATCHES = (1, 3, 12, 48, 100, 200)
 DECODE_CTX = (200, 700, 3000, 9000)
 RAGGED_DECODE = [100, 3000, 500, 9000, 20, 1500, 700, 4000]
-# more ragged batches (2026-12-06): 48 and 100 rows, where the timed ragged buckets of 32 and 128 rows disagreed
-# most with the uniform ones (H200 round 18); neither is a timed shape nor of the timed profile (log-uniform 1/16-4x)
+# ragged batches of 48 and 100 rows too: near the timed ragged buckets of 32 and 128 rows, where the ragged and the
+# uniform tables disagree most (see the results file); neither is a timed shape nor of the timed profile (log-uniform
+# 1/16-4x)
 RAGGED_DECODES = [RAGGED_DECODE, RAGGED_DECODE * 6, [50, 200, 800, 2500, 6000] * 20]
 QUICK_PREFILL = [[400], [5000], [300] * 10, [13, 3000, 777, 1500, 100, 1]]
 QUICK_DECODE = [(1, 700), (12, 3000), (100, 700), RAGGED_DECODE]
 STATIC_PRIORITY = ("fa3", "flashinfer", "triton")  # LightLLM's fixed order
 STRATEGIES = ("selected", "one_backend", "static", "repeat")  # compare()'s verdicts (repeat: with repeats > 1)
-WITHIN = 0.03  # the bench's verdict: a strategy is "within 3%" of a cell's fastest (issue 10's target)
+WITHIN = 0.03  # the bench's verdict: a strategy is "within 3%" of a cell's fastest (the dispatch's target)
 MAX_KV_BYTES = 16 << 30
 
 

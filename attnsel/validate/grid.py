@@ -12,48 +12,42 @@ from .cases import cumulative
 
 ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
 MAX_SETS = 1024
-DEFAULT_L2_BYTES = 50 << 20  # H200; used when the device does not report its L2 size
+DEFAULT_L2_BYTES = 50 << 20  # an H200's L2; used when the device does not report its L2 size
 
 # Timed representatives (bucket centres). Buckets are the cells between the geometric midpoints of neighbouring
 # values on each axis; a shape outside the grid is clamped to the nearest end. Prompt lengths are 9/8 of powers of
-# two: real prompts end inside a kernel's tile, and a grid of whole tiles flattered the backends whose tiles fit it
-# (H200 2026-12-03: FA3 led at 64 sequences x 64 tokens, FlashInfer was 1.38x faster at 40 x 100).
+# two: real prompts end inside a kernel's tile, and a grid of whole tiles flatters the backends whose tiles fit it.
 # Prompt lengths and decode batch sizes go in steps of sqrt(2): the kernels' speed is not monotone between powers of
-# two (tiles, waves over 132 SMs, split heuristics). H200 2026-12-04: FlashInfer led FA3 by 1.32x at 40 x 100 tokens
-# and tied or lost at 72 and 144; at 48 x 3000 decode FlashInfer led FA3 by 1.24x while FA3 led at batch 32 and 64.
-# The values between powers of two form the finest level (2).
+# two (tiles, waves over the SMs, split heuristics; see the results file). The values between powers of two form the
+# finest level (2).
 PREFILL_SEQS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_LENS = (72, 102, 144, 204, 288, 407, 576, 815, 1152, 1629, 2304, 3258, 4608, 6516, 9216, 13033, 18432)
 PREFILL_RAGGED = ([2048] + [64] * 15, [4096] + [256] * 7)  # one long prompt among short ones (chunked prefill)
 MAX_PREFILL_TOKENS = 32768
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
 # Eager decode contexts end half-way into a 64-token tile (a power of two plus 32), as a context drawn at random does
-# on average: contexts of whole tiles flattered the kernels that work in whole tiles. H100 2026-12-06 (round 19 and
-# bench/results/2026-12-06-round20): at 32/8 heads Triton (64-token blocks) led the CUDA-core FlashInfer (16-token
-# pages) by 2-5% at 181 rows x 256 tokens (at 256 rows the two were within 1-6% either way), and at 200 x 200 (four
-# blocks for 12.5 pages' worth) it served 1.11x slower than that FlashInfer; the shortest context was the grid's
-# clamp for every shorter one. Levels and the memory cap go by the powers of two (DECODE_CTX_POW2). Graph mode's
-# contexts (GRAPH_DECODE_CTX) stay whole powers of two: not measured with the half tiles.
+# on average: contexts of whole tiles flatter the kernels that work in whole tiles (Triton's 64-token blocks against
+# FlashInfer's 16-token pages; see the results file). Levels and the memory cap go by the powers of two
+# (DECODE_CTX_POW2). Graph mode's contexts (GRAPH_DECODE_CTX) stay whole powers of two: not measured with half tiles.
 DECODE_CTX_POW2 = (256, 512, 1024, 2048, 4096, 8192, 16384)
 DECODE_TILE_TAIL = 32
 DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
 # Ragged decode buckets (eager mode): batches whose rows' contexts spread from 1/16 to 4 times their mean (longest
 # row 3.0-4.2x the mean), timed as a sub-table keyed like the uniform one (batch, mean context) and used for batches
 # of similar skew (longest row at least RAGGED_SKEW times the mean) near the timed ones (selection.DispatchTable.
-# covers). H200 2026-12-06 (bench/results/2026-12-06-round18): on such batches of 32 and 128 rows the uniform table's
-# choice for their (batch, mean) was 1.17-1.65x slower than the fastest (FA3 won there); up to 8 rows they agreed.
+# covers): on such batches of 32 rows and more the uniform table's choice for their (batch, mean) can be far from the
+# fastest; up to 8 rows the two agree (see the results file).
 RAGGED_DECODE_BATCHES = (4, 8, 32, 128)
 RAGGED_DECODE_MEANS = (1024, 4096)
 RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
 # Wave edges (eager and graph decode): a kernel that runs one thread block per (row, KV head) and does not split
 # the context (FA3 once the blocks fill 0.8 of the SMs) takes ceil(batch x kv_heads / SMs) rounds, so its time steps
 # up right past batch = k x SMs / kv_heads, and the sqrt(2) grid above brackets such an edge with two values on its
-# sides: the lookup's interpolation between them then credits the kernel with the lower round count. H100 2026-12-06
-# (bench/results/2026-12-06-round19, 28/4 heads, 132 SMs): FA3 with GQA packing led FlashInfer by 2.5% at 91 rows
-# (3 rounds) and trailed by 0.5% at 128 (4 rounds); at 100 rows (4 rounds) it served 1.11x slower than FlashInfer
-# (rounds 16 and 19 alike). So for the first WAVE_EDGES edges, where a round is at least a third of the time, the
-# grid holds the batch sizes on both sides of the edge (``wave_batches``): the last one with k rounds, unless a
-# grid value within 5% below it already has k rounds, and the first one with k + 1.
+# sides: the lookup's interpolation between them then credits the kernel with the lower round count (at 28/4 heads
+# on 132 SMs it would give 100 rows to FA3, from 91 and 128 rows, where FlashInfer is faster; see the results file).
+# So for the first WAVE_EDGES edges, where a round is at least a third of the time, the grid holds the batch sizes on
+# both sides of the edge (``wave_batches``): the last one with k rounds, unless a grid value within 5% below it
+# already has k rounds, and the first one with k + 1.
 WAVE_EDGES = 3
 GRAPH_DECODE_CTX = (256, 1024, 4096, 16384)  # graph mode scores a batch size over contexts: 4x steps suffice
 # (there a bucket's level is its batch size's: every batch size is timed at all four contexts together)

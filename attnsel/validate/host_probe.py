@@ -9,15 +9,15 @@ import torch
 
 HOST_SLOW = 1.2  # eager: a bucket whose host probe ran this much slower than the phase's reference was timed on a
 # slow host (the report counts them)
-HOST_PROBE_CALLS = 32  # launches per run of the host probe, which takes the faster of two runs (~0.4 ms in all on
-# the H100 of round 19, 5.8 us per launch)
+HOST_PROBE_CALLS = 32  # launches per run of the host probe, which takes the faster of two runs (well under a
+# millisecond in all at a few us per launch)
 
 
 def host_probe(device: torch.device) -> float | None:
     """How fast the host launches work right now: seconds per launch of a one-element add on ``device``, the least
     of two runs of HOST_PROBE_CALLS launches after a sync (the queue empty: launches do not wait on the GPU), and a
     sync after (the next timed sample starts on an empty queue). None off CUDA. Eager calls of small batches are
-    bound by this host time (module doc)."""
+    bound by this host time (timing's module doc)."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()

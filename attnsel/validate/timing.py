@@ -1,29 +1,24 @@
-"""How fast: the bucket grids that the measure policy times, the interleaved timing of a phase's candidates (eager
-launches or CUDA-graph replays, inputs read from HBM), the graph-capture check, and the bandwidth probes that decode
-speeds are compared with. Used by the worker (policy "measure"), `attnsel bench` and scripts/gpu_tune.py.
+"""How fast: the interleaved timing of a phase's candidates over its bucket grid (grid.py; eager launches or
+CUDA-graph replays, inputs read from HBM), the graph-capture check, and the bandwidth probes that decode speeds are
+compared with. Used by the worker (policy "measure") and `attnsel bench`.
 
 Timing rules (what a number in a report means):
 - Every timed call reads its inputs from HBM, not L2: each bucket allocates several input sets whose total is at
-  least ``ROTATE_L2`` times the device's L2 size and the calls go round-robin over them (one shared cursor for all
+  least ``grid.ROTATE_L2`` times the device's L2 size and the calls go round-robin over them (one shared cursor for all
   candidates, so a candidate never reads what the previous one just pulled into L2).
 - Candidates are interleaved: repetition r times every candidate once (in an order rotated each repetition) before
   repetition r + 1 starts; a bucket's number per candidate is the median over ``reps_for(mode)`` samples of the time
   per call (``REPS_EAGER`` in eager mode, ``REPS`` under CUDA graphs), and its spread is (max - min) / median of
   those samples. A sample lasts at least ``SAMPLE_S``: after one untrusted call, its number of calls grows (at least
-  doubling) until a measured sample is that long (one cold call, the rule before, can be several times slower than a
-  warm one and gave samples of a few calls).
-- Eager host-bound calls are noisy: on the H200 (2026-12-04, scripts/gpu_eager_noise.py) a candidate's ratio to the
-  fastest moved by up to 1.9x between repeats of the old rule and stayed within 1.00-1.05x with 21 samples (that
-  run did not separate sample count from calibration and warm-up), so eager buckets take 21 samples; CUDA-graph
-  replays vary by 1-3% and take 7.
+  doubling) until a measured sample is that long (one cold call can be several times slower than a warm one).
+- Eager host-bound calls are noisy: with 21 samples a candidate's ratio to the fastest stays within 5% between
+  repeats, so eager buckets take 21; CUDA-graph replays vary by 1-3% and take 7 (see the results file).
 - Eager: the host's speed moves. Before each repetition a host probe (``host_probe``: launches of a one-element
   add) times the host; a bucket's ``host_us`` is the median of its probes, its ``host`` that over the phase's
   reference probe (the lower decile of its buckets' ``host_us``: one lucky bucket does not make the rest look slow),
-  shown by the report. H100 2026-12-06 (bench/results/2026-12-06-round19): the probes of a phase spread from 1.0 to
-  ~1.5x its fastest, in one phase (32/8 decode) in two clusters, 1.00-1.06x and 1.32-1.47x, with every host-bound
-  candidate slowed alike in the slow one (Triton's decode at 4 x 256 46 -> 80 us, FlashInfer's 27 -> 44), so the
-  winner rarely changed. Timing slow-host buckets again (tried in that round: up to 20% of the budget on close
-  calls) showed no gain and, with slow hosts common, took budget from the grid.
+  shown by the report. A slow host slows every host-bound candidate alike, so the winner rarely changes: slow-host
+  buckets are recorded, not timed again (timing them again showed no gain and took budget from the grid; see the
+  results file).
 - Pruning: once the coarse grid (level 0) is timed, a candidate at least ``PRUNE`` times slower than the fastest in
   every coarse bucket is not timed on the finer levels (listed in "pruned" with its best ratio): it is unlikely to
   win there (an extrapolation from the coarse grid, not a check), and the finer grid then costs less. A finer
@@ -52,44 +47,28 @@ import torch
 from ..spec import AttentionSpec
 from . import seconds_from_env
 from .cases import clear_output, spot_compare, spot_reference
-from .grid import (DECODE_AXES, PREFILL_AXES, RAGGED_SKEW, decode_grid, device_sms, feature_inputs,  # noqa: F401
-                   prefill_grid, prefill_key, prefill_label, ragged_decode_grid, ragged_key, rotated_workloads)
+from .grid import (DECODE_AXES, PREFILL_AXES, decode_grid, device_sms, feature_inputs, prefill_grid, prefill_key,
+                   prefill_label, ragged_decode_grid, ragged_key, rotated_workloads)
+from .grid import RAGGED_SKEW  # noqa: F401  selection.py reads it as timing.RAGGED_SKEW
 from .host_probe import host_probe, host_reference
 
 log = logging.getLogger(__name__)
 
-GRID_VERSION = 8  # part of the dispatch-table cache key: bump when the grids or the timing rules change (4: ragged
-# decode buckets in eager mode; 5: their batches 4-128, pruning on the uniform coarse grid only; 6: slow-host buckets
-# timed again (commit 348b8aa only); 7: the eager host probe per bucket without re-timing, the plan allowance capped
-# by the task timeout; 8: decode batch sizes at the GPU's first three wave edges, eager decode contexts a power of two
-# plus half a 64-token tile)
+GRID_VERSION = 8  # part of the dispatch-table cache key: bump when the grid or the timing rules change
 TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
 SAMPLE_S = 1e-3  # a sample lasts at least this long (CUDA event resolution is ~0.5 us)
 MAX_REPEAT = 10000  # units per sample at most
-DEFAULT_BUDGET_S = 50.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S); 45
-# until grid version 8 added the wave-edge batch sizes (26% more eager decode buckets at 32/8 heads on 132 SMs)
+DEFAULT_BUDGET_S = 50.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S)
 BUDGET_ENV = "ATTNSEL_TIMING_BUDGET_S"
-PLAN_ALLOWANCE_S = 30.0  # per phase: this much of the plans-and-first-calls step (at most
-# PLAN_ALLOWANCE_SHARE of the most a phase's budget may be) is not counted against the budget. H100, 2026-12-05
-# (bench/results/2026-12-05-round14): on an empty Triton kernel cache that step took 15.4 s in decode (Triton
-# compiling; 1.4 s with the cache warm) and the eager table got 75 of 106 decode buckets. H200, 2026-12-06 (round
-# 18): with the ragged decode buckets (more split counts: more Triton variants) the step took 18-29 s, the allowance
-# was then 20 s capped at half the phase's budget (~14 s), and the 28/4 and 8/1 tables lost 12 and 20 buckets to
-# compiles. Compiles are a cost of the machine's first selections, not of timing (the issue's 60 s exclude JIT
-# builds). The cap keeps a phase (budget at most half the task timeout, plus the allowance) inside the timeout.
-# Under CUDA graphs the step also holds the captures, and Triton compiles its graph variant inside the capture, so
-# the two cannot be told apart: until grid version 8 graph mode had no allowance, and on an H100 whose Triton cache
-# lacked the graph variants (2026-12-06, bench/results/2026-12-06-round20/4-graph-again) decode's step took
-# 29.6-33.2 s (6.9-9.2 s with the cache warm, run 2 there) and the graph tables lost 2, 26 and 35 of their 76, 78 and
-# 68 decode buckets (32/8, 28/4, 8/1). Now the allowance covers it in both modes: captures on a warm cache (7-9 s
-# a phase) go uncounted too.
-PLAN_ALLOWANCE_SHARE = 0.8
-# H100 2026-12-06 (round 19): capped at 0.8 x the phase's budget (18 s of 22.5) the allowance let Triton's decode
-# compiles (23-33 s) cost 31-36 of ~115 decode buckets; the cap is now 0.8 x the most a phase's budget may be (half
-# the worker's task timeout, 300 s by default), which keeps a phase within 0.9 of the timeout.
+PLAN_ALLOWANCE_S = 30.0  # per phase: this much of the plans-and-first-calls step is not counted against the
+# budget. The step holds first-use compiles (Triton compiling on an empty kernel cache) and, under CUDA graphs, the
+# captures, inside which Triton compiles its graph variants: a cost of a machine's first selections, not of timing,
+# which would otherwise take a large share of a cold selection's buckets (see the results file).
+PLAN_ALLOWANCE_SHARE = 0.8  # the allowance is at most this share of the most a phase's budget may be (half the
+# worker's task timeout): a phase, budget plus allowance, ends within 0.9 of the timeout
 CPU_REPS = 3
 
 
@@ -424,8 +403,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
 def plan_allowance(budget_s: float | None, max_budget_s: float | None = None) -> float:
     """Seconds of a phase's plans and first calls that its budget does not count: PLAN_ALLOWANCE_S, at most
     PLAN_ALLOWANCE_SHARE of the most a phase's budget may be (``max_budget_s``, half the task timeout; else the
-    budget itself), so that a phase ends within its task's timeout. Both launch modes (module doc:
-    PLAN_ALLOWANCE_S)."""
+    budget itself), so that a phase ends within its task's timeout. Both launch modes (PLAN_ALLOWANCE_S)."""
     cap = max_budget_s if max_budget_s else budget_s
     return min(PLAN_ALLOWANCE_S, PLAN_ALLOWANCE_SHARE * cap) if budget_s else 0.0
 
