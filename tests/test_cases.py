@@ -316,9 +316,9 @@ def test_decode_table_is_much_wider_than_the_longest_sequence():
 
 @pytest.mark.parametrize("phase,shape", [("prefill", [5, 12, 1]), ("decode", (3, 9)), ("decode", [0, 7, 13])])
 def test_spot_check_passes_right_outputs_and_names_a_wrong_row(phase, shape):
-    from attnsel.validate import timing
+    from attnsel.validate import grid as bucket_grid
 
-    plan_args, sets = timing.rotated_workloads(SPEC, phase, shape, CPU)
+    plan_args, sets = bucket_grid.rotated_workloads(SPEC, phase, shape, CPU)
     plan = TORCH.plan_prefill if phase == "prefill" else TORCH.plan_decode
     out = plan(SPEC, *plan_args)(*sets[0])
     assert cases.spot_check(SPEC, phase, plan_args, sets[0], out, {}) is None

@@ -4,9 +4,9 @@
 Those versions accept only ``sdpa``, ``paged|eager``, names containing "flash", or Hub kernels for
 ``generate_batch`` (custom ``paged|X`` names are refused; 5.18 switches a flash-named model to ``"paged|<name>"``
 and accepts it where registered: there ``register()`` also registers ``"paged|attnsel_flash"`` to transformers' own
-paged flash forward). The Hub-kernel route needs the ``kernels`` package at
-0.18.2 to < 0.19 (5.24's bound; 5.25 pins kernels >= 0.19.1), which PyPI did not offer on 2026-12-03 (newest 0.17.2).
-So attnsel takes the flash route: ``register()`` registers transformers' own ``flash_attention_forward`` under
+paged flash forward). The Hub-kernel route would need the ``kernels`` package at 0.18.2 to < 0.19 on these versions
+(5.24's bound; 5.25 pins kernels >= 0.19.1); the flash route needs no package of its own, so attnsel takes it:
+``register()`` registers transformers' own ``flash_attention_forward`` under
 ``"attnsel_flash"`` and makes transformers' lazy flash-attention import return attnsel's FA3-compatible functions
 (``attnsel.flash_api``) for that name. transformers then does what it does for FlashAttention: unpads, packs the
 continuous batch, updates its paged cache, and calls ``flash_attn_varlen_func``; attnsel selects and dispatches.
