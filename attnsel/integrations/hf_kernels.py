@@ -17,6 +17,15 @@ The hook replaces ``transformers.modeling_flash_attention_utils._lazy_imports`` 
 ``"attnsel_flash"`` only and defers to the original for every other name; it checks that the function it wraps has
 the signature it knows and refuses to install otherwise, with the reason.
 
+CUDA graphs: transformers' continuous batching captures by default for flash-named implementations on CUDA
+(``ContinuousBatchingConfig.use_cuda_graph`` left None): each new batch shape runs once eagerly, then the whole step is
+captured and later steps of that shape replay it after transformers rewrote cu_seqlens and the cache indices in
+place, with nothing called in between. So every varlen call is either eager or being captured, and
+``attnsel.flash_api`` plans a captured call on a selection made in mode "graph" (``attnsel.graph_selection``: with the
+default mode "eager", a second selection made at the spec's first captured call). ``register(mode="graph")`` makes
+the graph-mode selection the only one (needed with several torch.distributed ranks, which cannot select during a
+capture); ``use_cuda_graph=False`` in transformers' config keeps every call eager.
+
 Usage: ``attnsel.integrations.hf_kernels.register()`` (or ``attnsel.integrations.hf.register()``, which calls it on
 these versions) before ``from_pretrained(..., attn_implementation="attnsel_flash")``, then ``generate_batch``.
 
