@@ -111,11 +111,13 @@ class DecodeCase:
 Case = PrefillCase | DecodeCase
 
 
-def _attention(spec: AttentionSpec, q, k, v, sinks) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 reference, yardstick) of one sequence."""
+def _attention(spec: AttentionSpec, q, k, v, sinks, cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 reference, yardstick) of one sequence; ``cache``: k/v come from the paged cache (decode), in fp8 when
+    the spec's kv_dtype is."""
     features = dict(window=spec.sliding_window, softcap=spec.softcap, sinks=sinks)
+    fp8 = cache and spec.kv_dtype is not None
     return (reference_attention(q, k, v, spec.scale, spec.causal, **features),
-            careful_attention(q, k, v, spec.scale, spec.causal, dtype=spec.torch_dtype, **features))
+            careful_attention(q, k, v, spec.scale, spec.causal, dtype=spec.torch_dtype, fp8=fp8, **features))
 
 
 def cumulative(lengths: list[int], device) -> torch.Tensor:
@@ -287,7 +289,7 @@ def decode_case(spec: AttentionSpec, device: torch.device, seed: int = 1, length
             if used < ps:  # the last page's unused slots
                 _poison(k_cache[page], used)
                 _poison(v_cache[page], used)
-        ref[b], low[b] = (t[0] for t in _attention(spec, qb, k_real, v_real, sinks))
+        ref[b], low[b] = (t[0] for t in _attention(spec, qb, k_real, v_real, sinks, cache=True))
     to = dict(device=device)
     scale_tensors = [torch.tensor([s], dtype=torch.float32, **to) for s in scales] if scales else [None, None]
     return DecodeCase(page_table.to(**to), torch.tensor(lens, dtype=torch.int32, **to), q.to(**to),
@@ -559,7 +561,7 @@ def spot_reference(spec: AttentionSpec, phase: str, plan_args: tuple, inputs: tu
             if k_scale is not None:
                 kk, vv = kk * k_scale.float(), vv * v_scale.float()
             rows.append(torch.tensor([b]))
-            ref, low = _attention(spec, q[b:b + 1], kk, vv, sinks)
+            ref, low = _attention(spec, q[b:b + 1], kk, vv, sinks, cache=True)
             refs.append(ref)
             lows.append(low)
     if not rows:
