@@ -85,7 +85,7 @@ def test_served_reference_is_the_validation_reference(spec):
     refs = served.reference(spec, snap)
     assert torch.equal(refs.ref, dec.ref)
     assert served.judge(spec, snap, refs)["status"] == "valid"
-    snap.out[3] += 0.5
+    snap.out[3] += 5.0  # past any row's tolerance (an fp8 cache's rows allow up to ~0.9 on outputs of ~2)
     verdict = served.judge(spec, snap, refs)
     assert verdict["status"] == "rejected" and "in sequence 3 (seq_len 9)" in verdict["reason"]
     pre = prefill_case(spec, CPU, lengths=([3, 1, 6], [3, 4, 6]))
