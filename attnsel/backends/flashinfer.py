@@ -1,6 +1,6 @@
 """flashinfer: FlashInfer's ragged prefill and paged decode wrappers (plan once per batch, run per layer).
 
-Variants are separate candidates because their speed differs by shape (up to 1.9x in decode, docs/ARCHITECTURE.md):
+Variants are separate candidates because their speed differs by shape (see the results file):
 ``flashinfer`` (prefill: FlashInfer's own template choice, its FA3 template on Hopper; decode: tensor-core kernels),
 ``flashinfer_cuda_cores`` (decode on CUDA cores), ``flashinfer_fa2`` (prefill on the FA2 template, Hopper only: below
 Hopper it is what ``flashinfer`` runs), ``flashinfer_fa3`` (tensor-core decode on the FA3 template, Hopper only).
