@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import numbers
+import pickle
 from typing import Callable, TypeVar
 
 import torch.distributed as dist
@@ -123,16 +124,29 @@ def _same_question(group, question, asked: str, timeout: float) -> None:
         raise AgreementError(f"rank {dist.get_rank()}: {problem}")
 
 
+def _portable(exc: Exception) -> Exception:
+    """``exc`` when it survives pickling (the other ranks raise it as it is), else a RuntimeError naming its type
+    and message (an exception holding an unpicklable attribute, or one whose constructor does not take its args
+    back, would otherwise fail the broadcast and leave the other ranks without rank 0's reason)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"rank 0 failed to decide: {type(exc).__name__}: {exc}")
+
+
 def _answer(group, decide: Callable[[], T], asked: str, decide_timeout: float) -> T:
     """Rank 0 decides and broadcasts its answer or its error; the other ranks wait for it."""
     rank = dist.get_rank()
     payload: list = [None]
+    own_error = None
     if rank == 0:
         try:
             payload[0] = ("ok", decide())
         except Exception as exc:
             log.error("rank 0 failed to decide: %s", exc)
-            payload[0] = ("error", exc)
+            own_error = exc
+            payload[0] = ("error", _portable(exc))
     try:
         dist.broadcast_object_list(payload, src=0, group=group)
     except Exception as exc:
@@ -141,7 +155,7 @@ def _answer(group, decide: Callable[[], T], asked: str, decide_timeout: float) -
         raise AgreementError(f"{asked} {waited}: {exc}") from exc
     status, value = payload[0]
     if status == "error":
-        raise value
+        raise own_error if own_error is not None else value
     if rank != 0:
         log.info("rank %d received the answer from rank 0", rank)
     return value
