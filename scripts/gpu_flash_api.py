@@ -180,7 +180,7 @@ def breakdown(hq=32, hk=8, d=128, ps=16) -> dict:
     sel = flash_api.selection_for(AttentionSpec(hq, hk, d, "bf16", page_size=ps), q.device)
     table = torch.arange(8 * 130, device=dev, dtype=torch.int32).view(8, 130)
     run = sel.plan_decode(table, seqlens)
-    from attnsel.selection import plan_is_current
+    from attnsel.run_checks import plan_is_current
     return {"is_current_stream_capturing": loop_us(torch.cuda.is_current_stream_capturing),
             "q.squeeze(1)": loop_us(lambda: q.squeeze(1)), "unsqueeze(1)": loop_us(lambda: out.unsqueeze(1)),
             "q.device": loop_us(lambda: q.device), "tensor._version": loop_us(lambda: seqlens._version),

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import AttentionSpec, Selection, SelectionError, SpecError, select
-from ..selection import plan_is_current
+from ..run_checks import plan_is_current
 from .hf_calls import PAGED, CallCounts, sdpa_ignores, unimplemented
 
 log = logging.getLogger(__name__)
