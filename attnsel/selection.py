@@ -1,21 +1,19 @@
-"""Selection: explicit or automatic backend per phase, validated in a worker, ranked by a policy, cached."""
+"""Selection: the chosen backend per phase and the object engines hold (plan_prefill / plan_decode pick a phase's
+backend per batch and return its run function); ``select`` checks its arguments, has rank 0 make the selection
+(selector.py: validate, time, build the dispatch tables, store) and chooses each phase's backend."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
-import math
 import numbers
 from typing import Literal
 
 import torch
 
-from . import backends, metadata_values
+from . import backends, metadata_values, selector
 from .backends import PHASES, Phase, RunFn
-from .cache import ResultCache, entry_key
-from .device import fingerprint, kind as device_kind
-from .dispatch import DispatchTable, _geomean, build_table
+from .device import kind as device_kind
+from .dispatch import DispatchTable, build_table  # noqa: F401 (build_table: importable from here)
 from .dist import agree
 from .run_checks import (
     _host_int,
@@ -26,6 +24,7 @@ from .run_checks import (
     checked_prefill,
     viewed_b1hd,
 )
+from .selector import Candidate, one_line
 from .spec import AttentionSpec
 from .validate import runner, seconds_from_env, timing
 
@@ -57,27 +56,7 @@ class SelectionError(RuntimeError):
         return (type(self), (str(self), self.selection))
 
 
-Status = Literal["selected", "valid", "rejected", "unavailable"]
 Source = Literal["auto", "explicit"]
-
-
-@dataclasses.dataclass
-class Candidate:
-    """One backend's result for one phase: status, the reason when it is not usable, its error and timings."""
-
-    name: str
-    status: Status
-    reason: str = ""
-    max_abs_err: float | None = None
-    tolerance: float | None = None
-    time_s: float | None = None
-    score_us: float | None = None
-    timings_us: dict | None = None
-    from_cache: bool = False
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,243 +322,34 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     # What decides the answer; timeout, budget and cache only shape rank 0's work (each rank may set its own).
     question = {"spec": spec, "prefill": prefill, "decode": decode, "prefill_priority": orders["prefill"],
                 "decode_priority": orders["decode"], "policy": policy, "mode": mode, "device": device_kind(device)}
-    return agree(lambda: _select(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
+    return agree(lambda: _decide(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
                                  budget_s), question)
 
 
-def table_key(fp: dict, spec: AttentionSpec, phase: str, mode: str, candidates: list[tuple[str, str | None]]) -> str:
-    """Cache key of a phase's dispatch table: device, spec, phase, mode, the timed candidates with their versions (in
-    priority order) and the bucket grid's version."""
-    blob = json.dumps({"kind": "dispatch", "device": fp, "spec": spec.to_dict(), "phase": phase, "mode": mode,
-                       "candidates": candidates, "grid_version": timing.GRID_VERSION}, sort_keys=True)
-    return "dispatch-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def _usable(entry: dict, mode: str) -> bool:
-    """A validation entry that lets the candidate serve in this mode (graph: also captured and replayed)."""
-    return entry["status"] == "valid" and (mode != "graph" or entry.get("graph_capture") == "ok")
-
-
-def _outliers(spec: AttentionSpec, errors: dict[str, float | None]) -> dict[str, str]:
-    """name -> reason for the valid candidates of one phase (``errors``: name -> max abs error, None when unknown)
-    whose error is far above the best's (cases.py's cross-candidate rule)."""
-    from .validate.cases import outlier_reason
-
-    known = {n: e for n, e in errors.items() if e is not None}
-    if len(known) < 2:
-        return {}
-    best = min(known.values())
-    return {n: r for n, e in known.items() if (r := outlier_reason(e, best, spec))}
-
-
-def _reject_outliers(spec: AttentionSpec, names: dict, found: dict) -> None:
-    """Reject a valid candidate whose error is far above the best valid candidate's on the same case (cases.py's
-    cross-candidate rule). Applied on every selection, never cached: it depends on which candidates ran."""
-    for phase in PHASES:
-        valid = {n: found[(n, phase)].max_abs_err for n in names[phase]
-                 if (n, phase) in found and found[(n, phase)].status == "valid"}
-        for name, reason in _outliers(spec, valid).items():
-            log.warning("%s %s: rejected: %s", name, phase, reason)
-            found[(name, phase)].status, found[(name, phase)].reason = "rejected", reason
-
-
-def _select(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode: str, timeout: float | None,
+def _decide(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode: str, timeout: float | None,
             cache_dir: str | None, use_cache: bool, device: str, budget_s: float) -> Selection:
-    fp = fingerprint(device)
+    """Rank 0's work: the selector's outcome, then each phase's choice; SelectionError when a phase cannot be
+    served."""
     names = {p: [choices[p]] if choices[p] != AUTO else orders[p] for p in PHASES}
-    if mode == "graph" and not device.startswith("cuda"):
-        raise ValueError("mode 'graph' needs a CUDA device (CUDA graphs); use mode 'eager' on the CPU")
-    found: dict[tuple[str, str], Candidate] = {}
-    keys: dict[tuple[str, str], str] = {}
-    versions: dict[tuple[str, str], dict | None] = {}
-    for phase in PHASES:
-        for name in names[phase]:
-            backend = backends.get(name)
-            reason, identity = backends.availability(backend, spec, phase, torch.device(device))
-            stale = backends.graph_stale_reason(backend, phase) if mode == "graph" and not reason else None
-            if stale:
-                reason = f"cannot serve CUDA-graph replays: {stale}"
-            if reason:
-                found[(name, phase)] = Candidate(name, "unavailable", reason)
-            else:
-                versions[(name, phase)] = identity
-                keys[(name, phase)] = entry_key(fp, spec.to_dict(), name, identity, phase)
-    # A dispatch table is timed where an automatic choice has more than one runnable candidate.
-    timed = [p for p in PHASES if policy == "measure" and choices[p] == AUTO
-             and sum((n, p) in keys for n in names[p]) > 1]
-    cache = ResultCache(cache_dir) if use_cache else None
-    if cache is not None:
-        cache.prepare()
-    cached = cache.get_many(list(keys.values())) if cache else {}
-    todo = [t for t in keys if keys[t] not in cached
-            or (mode == "graph" and cached[keys[t]]["status"] == "valid" and "graph_capture" not in cached[keys[t]])]
-
-    def valid_names(phase: str, entries: dict) -> list[str]:
-        return [n for n in names[phase] if (n, phase) in keys and keys[(n, phase)] in entries
-                and _usable(entries[keys[(n, phase)]], mode)]
-
-    measured: dict[str, dict] = {}
-    tkeys: dict[str, str] = {}
-    to_time = []
-    for phase in timed:
-        if any(t[1] == phase for t in todo):
-            to_time.append(phase)
-            continue
-        valid = valid_names(phase, cached)
-        if len(valid) - len(_outliers(spec, {n: cached[keys[(n, phase)]].get("max_abs_err") for n in valid})) < 2:
-            continue  # one candidate (after the outlier rule, as below): no table to time
-        tkeys[phase] = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid])
-        hit = cache.get_many([tkeys[phase]]).get(tkeys[phase]) if cache else None
-        # a table the budget cut short (skipped buckets) is timed again when this run's share of the budget is
-        # larger than the one it was timed with (null: no limit; an entry from before budgets were stored: unknown)
-        cut_short = (hit and hit.get("measured", {}).get("skipped")
-                     and ("budget_s" not in hit or hit["budget_s"] is not None
-                          and budget_s / len(timed) > hit["budget_s"] * (1 + 1e-9)))
-        if hit and hit.get("measured") and not cut_short:
-            measured[phase] = hit["measured"]
-        else:
-            if cut_short:
-                log.info("timing %s again: its cached table skipped %d bucket(s) under a budget of %s s, this "
-                         "run's share is at least %g s", phase, len(hit["measured"]["skipped"]), hit.get("budget_s"),
-                         budget_s / len(timed))
-            to_time.append(phase)
-    stats = {"spawns": 0, "deaths": 0, "worker_wall_s": 0.0, "worker_peak_rss_mb": None,
-             "worker_peak_gpu_mem_mb": None, "timing_wall_s": 0.0}
-    fresh: dict[str, dict] = {}
-    timing_errors: dict[str, str] = {}
-
-    def work(tasks: list, job: dict) -> dict:
-        results, run_stats = runner.run_tasks(spec, tasks, device=device, timeout=timeout, measure=job or False,
-                                              mode=mode)
-        stats["spawns"] += run_stats.spawns
-        stats["deaths"] += run_stats.deaths
-        stats["worker_wall_s"] += run_stats.wall_s
-        for field, value in (("worker_peak_rss_mb", run_stats.peak_rss_mb),
-                             ("worker_peak_gpu_mem_mb", run_stats.peak_gpu_mem_mb)):
-            if value is not None:
-                stats[field] = max(stats[field] or 0, value)
-        for (name, phase), result in results.items():
-            if name != timing.TIMING_TASK:
-                continue
-            if result.get("status") == "timed":
-                measured[phase] = result["measured"]
-                stats["timing_wall_s"] += result["measured"].get("wall_s") or 0.0
-            else:
-                timing_errors[phase] = result.get("reason") or "timing produced no result"
-                log.warning("timing %s failed: %s", phase, timing_errors[phase])
-        return results
-
-    if todo or to_time:
-        job = {p: {"backends": [n for n in names[p] if (n, p) in keys],
-                   "vouched": [n for n in valid_names(p, cached) if (n, p) not in todo],
-                   "budget_s": budget_s / len(to_time),
-                   # a phase may inherit what the one before left; it must still end well inside the task timeout
-                   "max_budget_s": (timeout or runner.default_timeout()) / 2} for p in to_time}
-        results = work(todo + [(timing.TIMING_TASK, p) for p in to_time], job)
-        for task, result in results.items():
-            if task[0] == timing.TIMING_TASK:
-                continue
-            entry = {k: v for k, v in result.items() if k not in ("timings_us", "score_us", "timing_error")}
-            entry.update(backend=task[0], phase=task[1], spec=spec.to_dict(), device=fp.get("gpu") or "cpu")
-            fresh[keys[task]] = entry
-        if cache:  # transient rejections (timeouts) are reported, not remembered
-            cache.put_many({k: e for k, e in fresh.items() if not e.get("transient")})
-    entries = {**cached, **fresh}
-    for task, key in keys.items():
-        entry = entries[key]
-        found[task] = Candidate(task[0], entry["status"], entry.get("reason", ""), entry.get("max_abs_err"),
-                                entry.get("tolerance"), entry.get("time_s"), from_cache=key not in fresh)
-        if entry["status"] == "valid" and not _usable(entry, mode):
-            found[task].status = "rejected"
-            found[task].reason = f"cannot serve under CUDA graphs: {entry.get('graph_capture', 'not checked')}"
-    _reject_outliers(spec, names, found)
-
-    tables: dict[str, DispatchTable] = {}
-    for phase in timed:
-        valid = [n for n in names[phase] if (n, phase) in keys and found[(n, phase)].status == "valid"]
-        if len(valid) < 2:
-            continue
-        done = measured.get(phase)
-        missing = [n for n in valid if not done or not any(n in b["us"] for b in done["buckets"])]
-        if done and missing and not any(n in _bucket_errors(done) for n in missing):
-            # validated in a worker that died before the timing job: time the phase again, all vouched for
-            log.info("timing %s again: %s were validated by an earlier worker", phase, ", ".join(missing))
-            work([(timing.TIMING_TASK, phase)], {phase: {"backends": valid, "vouched": valid,
-                                                         "budget_s": budget_s / max(1, len(to_time)),
-                                                         "max_budget_s": (timeout or runner.default_timeout()) / 2}})
-            done = measured.get(phase)
-        if not done:
-            continue
-        table = build_table(done, valid)
-        if table is None:
-            timing_errors[phase] = "no candidate was timed in any bucket"
-            continue
-        tables[phase] = table
-        errors = _bucket_errors(done)
-        for name in valid:
-            cand = found[(name, phase)]
-            times = {b.label: b.times_us[name] for b in table.buckets if name in b.times_us}
-            cand.timings_us = times or None
-            cand.score_us = _geomean(list(times.values())) if times else None
-            if name in errors:
-                count, first = errors[name]
-                cand.reason = f"no time in {count} bucket(s): {first}"
-            elif name in dict(table.pruned):
-                cand.reason = (f"not timed on the finer grid: at least {dict(table.pruned)[name]:.2f}x the fastest in "
-                               f"every coarse bucket (its score covers the coarse buckets only)")
-        # keyed like the lookup above: by the candidates valid in the cache, before the outlier rule (applied on
-        # every selection from the cached errors); a candidate the rule rejects is timed with the rest and left
-        # out of the table by build_table, on this run and the next
-        key = table_key(fp, spec, phase, mode, [(n, versions[(n, phase)]) for n in valid_names(phase, entries)])
-        # complete: every valid candidate has a time somewhere or its recorded reason for none (a worker that died
-        # before the timing job leaves neither: timed again above, not stored)
-        complete = all(any(n in b["us"] for b in done["buckets"]) or n in errors for n in valid)
-        if cache and complete and phase in to_time and not done.get("transient"):  # out of memory: not a fact
-            cache.put_many({key: {"kind": "dispatch", "backend": "(dispatch table)", "phase": phase,
-                                  "status": f"{len(table.buckets)} buckets", "mode": mode, "spec": spec.to_dict(),
-                                  "device": fp.get("gpu") or "cpu", "candidates": valid,
-                                  # the phase's share of the budget (null: no limit), what the lookup compares
-                                  "budget_s": share if math.isfinite(share := budget_s / len(to_time)) else None,
-                                  "measured": done}})
-    for phase in timed:
-        if phase in timing_errors:
-            for name in names[phase]:
-                cand = found.get((name, phase))
-                if cand and cand.status == "valid" and not cand.reason and cand.score_us is None:
-                    cand.reason = f"not timed: {_one_line(timing_errors[phase])}"
-
+    measure = {p: policy == "measure" and choices[p] == AUTO for p in PHASES}
+    out = selector.decide(spec, names, measure, mode, timeout, cache_dir, use_cache, device, budget_s)
     phases, failures = {}, []
     for phase in PHASES:
-        ranked = [found[(n, phase)] for n in names[phase]]
+        ranked = [out.found[(n, phase)] for n in names[phase]]
         source: Source = "auto" if choices[phase] == AUTO else "explicit"
         try:
-            chosen = _choose(phase, choices[phase], ranked, tables.get(phase))
+            chosen = _choose(phase, choices[phase], ranked, out.tables.get(phase))
         except SelectionError as exc:
             failures.append(str(exc))
             phases[phase] = PhaseChoice("", source, ranked, None, str(exc))
             continue
         chosen.status = "selected"
-        phases[phase] = PhaseChoice(chosen.name, source, ranked, tables.get(phase))
-    selection = Selection(spec, phases, policy, mode,
-                          "off" if cache is None else ("miss" if todo or to_time else "hit"), fp, stats)
+        phases[phase] = PhaseChoice(chosen.name, source, ranked, out.tables.get(phase))
+    selection = Selection(spec, phases, policy, mode, out.cache, out.fingerprint, out.stats)
     if failures:
         raise SelectionError("; ".join(failures), selection)
     log.info("%s", selection.summary())
     return selection
-
-
-def _one_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
-
-
-def _bucket_errors(measured: dict) -> dict[str, tuple[int, str]]:
-    """name -> (number of buckets where it got no time, the first reason)."""
-    out: dict[str, tuple[int, str]] = {}
-    for b in measured["buckets"]:
-        for name, reason in b.get("errors", {}).items():
-            count, first = out.get(name, (0, f"{b['label']}: {reason}"))
-            out[name] = (count + 1, first)
-    return out
 
 
 def _choose(phase: Phase, choice: str, ranked: list[Candidate], table: DispatchTable | None) -> Candidate:
@@ -591,7 +361,7 @@ def _choose(phase: Phase, choice: str, ranked: list[Candidate], table: DispatchT
         return cand
     valid = [c for c in ranked if c.status == "valid"]
     if not valid:
-        detail = "; ".join(f"{c.name}: {c.status}: {_one_line(c.reason)}" for c in ranked)
+        detail = "; ".join(f"{c.name}: {c.status}: {one_line(c.reason)}" for c in ranked)
         raise SelectionError(f"no backend can serve {phase}: {detail}")
     if table is not None:
         return next(c for c in valid if c.name == table.default)
