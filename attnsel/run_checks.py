@@ -86,20 +86,26 @@ def check_decode_metadata(page_table, seq_lens, max_seq_len) -> None:
         raise ValueError(f"max_seq_len: expected None or a non-negative Python int, got {max_seq_len!r}")
 
 
-def _check_unit_stride(**tensors: torch.Tensor) -> None:
-    """Every tensor's last dimension is contiguous (kernels index it with stride 1); ValueError naming the first
-    that is not."""
-    for arg, t in tensors.items():
-        if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
+def check_tensor(arg: str, t, shape: tuple, dtype: torch.dtype, device: int) -> tuple:
+    """The one check of a run function's tensor, as FlashInfer's ``_check_shape_dtype_device``: its shape (``None``:
+    any size on that axis), dtype, device index (-1: CPU) and a contiguous last dimension (kernels index it with
+    stride 1). ValueError naming ``arg``, what was expected and what it got (a non-tensor too). Returns its shape."""
+    try:
+        got = t.shape
+        bad = len(got) != len(shape) or t.dtype is not dtype or t.get_device() != device
+        if not bad:
+            for want, size in zip(shape, got):
+                if want is not None and want != size:
+                    bad = True
+                    break
+        if not bad and got[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{arg}: its last dimension must be contiguous (stride 1), got strides "
                              f"{tuple(t.stride())}; pass {arg}.contiguous()")
-
-
-def _raise_first_non_tensor(device: int, **args: tuple) -> None:
-    """ValueError naming the first argument that is not a torch.Tensor (args: name -> (value, shape, dtype))."""
-    for arg, (value, shape, dtype) in args.items():
-        if not isinstance(value, torch.Tensor):
-            raise _expect(arg, value, shape, dtype, device) from None
+    except (AttributeError, TypeError):  # not a tensor: None, a list, an object with a shape but no device
+        bad = True
+    if bad:
+        raise _expect(arg, t, shape, dtype, device)
+    return got
 
 
 def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
@@ -111,40 +117,15 @@ def checked_prefill(run: RunFn, spec: AttentionSpec, device: int, total_q: int |
     plain = not spec.sinks
 
     def checked(q, k, v, **kwargs):
-        try:
-            try:
-                tq, q1, q2 = q.shape
-            except (AttributeError, ValueError):
-                tq = -1
-            if (tq < 0 or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device
-                    or (total_q is not None and tq != total_q)):
-                raise _expect("q", q, (total_q, hq, d), dt, device)
-            try:
-                tk, k1, k2 = k.shape
-            except (AttributeError, ValueError):
-                tk = -1
-            if (tk < 0 or k1 != hk or k2 != d or k.dtype is not dt or k.get_device() != device
-                    or (total_k is not None and tk != total_k)):
-                raise _expect("k", k, (total_k, hk, d), dt, device)
-            try:
-                tv, v1, v2 = v.shape
-            except (AttributeError, ValueError):
-                tv = -1
-            if tv != tk or v1 != k1 or v2 != k2 or v.dtype is not dt or v.get_device() != device:
-                raise _expect("v", v, (tk, hk, d), dt, device)
-            if seen is not None:
-                for arg, rows, least in (("q", tq, seen[0]), ("k", tk, seen[1])):
-                    if rows < least:
-                        raise ValueError(f"{arg} has {rows} tokens but cu_seqlens_{arg}[-1] is {least} "
-                                         f"(${metadata_values.ENV} found this); allowed: at least cu_seqlens_{arg}"
-                                         f"[-1] rows (rows after it are padding)")
-            if (d > 1 and not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())  # the cheap common case
-                    and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1)):
-                _check_unit_stride(q=q, k=k, v=v)
-        except AttributeError:  # an object with a shape but not a tensor's other attributes
-            _raise_first_non_tensor(device, q=(q, (total_q, hq, d), dt), k=(k, (total_k, hk, d), dt),
-                                    v=(v, (None, hk, d), dt))
-            raise
+        tq = check_tensor("q", q, (total_q, hq, d), dt, device)[0]
+        tk = check_tensor("k", k, (total_k, hk, d), dt, device)[0]
+        check_tensor("v", v, (tk, hk, d), dt, device)
+        if seen is not None:
+            for arg, rows, least in (("q", tq, seen[0]), ("k", tk, seen[1])):
+                if rows < least:
+                    raise ValueError(f"{arg} has {rows} tokens but cu_seqlens_{arg}[-1] is {least} "
+                                     f"(${metadata_values.ENV} found this); allowed: at least cu_seqlens_{arg}"
+                                     f"[-1] rows (rows after it are padding)")
         if kwargs or not plain:
             _check_features(spec, kwargs, "prefill")
         return run(q, k, v, **kwargs)
@@ -165,41 +146,12 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
     q_shape = (batch, 1, hq, d) if b1hd else (batch, hq, d)
 
     def checked(q, k_cache, v_cache, **kwargs):
-        try:
-            try:
-                if b1hd:
-                    b, one, q1, q2 = q.shape
-                    if one != 1:
-                        b = -1
-                else:
-                    b, q1, q2 = q.shape
-            except (AttributeError, ValueError):
-                b = -1
-            if b != batch or q1 != hq or q2 != d or q.dtype is not dt or q.get_device() != device:
-                raise _expect("q", q, q_shape, dt, device)
-            try:
-                kn, p, k1, k2 = k_cache.shape
-            except (AttributeError, ValueError):
-                p = -1
-            if p != ps or k1 != hk or k2 != d or k_cache.dtype is not kdt or k_cache.get_device() != device:
-                raise _expect("k_cache", k_cache, (None, ps, hk, d), kdt, device)
-            try:
-                vn, vp, v1, v2 = v_cache.shape
-            except (AttributeError, ValueError):
-                vp = -1
-            if (vp != ps or v1 != hk or v2 != d or vn != kn or v_cache.dtype is not kdt
-                    or v_cache.get_device() != device):
-                raise _expect("v_cache", v_cache, tuple(k_cache.shape), kdt, device)
-            if kn == 0 and batch:  # the backends gather page 0 for rows with nothing to read
-                raise ValueError(f"k_cache/v_cache hold 0 pages ({list(k_cache.shape)}); allowed: at least one page "
-                                 "(a batch of padding rows still needs a page for its page ids to point at)")
-            if (d > 1 and not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
-                    and (q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1)):
-                _check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
-        except AttributeError:  # an object with a shape but not a tensor's other attributes
-            _raise_first_non_tensor(device, q=(q, q_shape, dt), k_cache=(k_cache, (None, ps, hk, d), kdt),
-                                    v_cache=(v_cache, (None, ps, hk, d), kdt))
-            raise
+        check_tensor("q", q, q_shape, dt, device)
+        pages = check_tensor("k_cache", k_cache, (None, ps, hk, d), kdt, device)[0]
+        check_tensor("v_cache", v_cache, (pages, ps, hk, d), kdt, device)
+        if pages == 0 and batch:  # the backends gather page 0 for rows with nothing to read
+            raise ValueError(f"k_cache/v_cache hold 0 pages ({list(k_cache.shape)}); allowed: at least one page "
+                             "(a batch of padding rows still needs a page for its page ids to point at)")
         if pages_needed is not None:
             metadata_values.check_decode_run(pages_needed, k_cache)
         if kwargs or not plain:
