@@ -1,5 +1,6 @@
 """The dispatch table: shape bucket -> backend for one phase, from timings. Pure data: built from timing.measure's
-result (``build_table``), looked up from host ints (``DispatchTable.backend_for``), printable, JSON round-trip."""
+result (``build_table``), looked up from host ints (``DispatchTable.backend_for``), printed (``str``), through JSON
+and back (``to_json`` / ``from_json``)."""
 from __future__ import annotations
 
 import bisect
@@ -209,6 +210,26 @@ class DispatchTable:
         tied = {n for n, c in cost.items() if c <= best + math.log1p(self.tie) + 1e-12}
         worst = {n: max(self._slowdowns[c][n] for c, _ in corners) for n in tied}
         return min(tied, key=lambda n: (worst[n], cost[n], self._order.index(n)))
+
+    def __str__(self) -> str:
+        """The table as text: a line of what it is (phase, mode, axes, default backend, wins, skipped and pruned
+        candidates), then one line per timed bucket (its backend, time, runner-up and ratio); the ragged sub-table
+        after it."""
+        return "\n".join(self._lines(""))
+
+    def _lines(self, kind: str) -> list[str]:
+        wins = ", ".join(f"{n} {k}" for n, k in self.wins().items())
+        head = (f"{kind}{self.phase} dispatch ({self.mode}) over {' x '.join(self.axes)}: {len(self.buckets)} "
+                f"buckets, default {self.default}; wins: {wins}")
+        if self.skipped:
+            head += f"; skipped: {', '.join(self.skipped)}"
+        if self.pruned:
+            head += "; pruned: " + ", ".join(f"{n} ({r:.2f}x)" for n, r in self.pruned)
+        lines = [head]
+        for b in self.buckets:
+            runner_up = f" (runner-up {b.runner_up} {b.ratio:.2f}x)" if b.runner_up and b.ratio else ""
+            lines.append(f"  {b.label}: {b.backend} {b.us:.1f} us{runner_up}")
+        return lines + (self.ragged._lines("ragged ") if self.ragged is not None else [])
 
     def wins(self) -> dict[str, int]:
         counts: dict[str, int] = {}
