@@ -8,21 +8,21 @@ import torch
 
 from . import metadata_values
 from .backends import RunFn
-from .spec import AttentionSpec
+from .spec import DTYPES, KV_DTYPES, AttentionSpec
 
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+_NAMES = {**DTYPES, **KV_DTYPES}  # a tensor's dtype in the spec's words, in messages
 
 
 def _describe(t) -> str:
     if not isinstance(t, torch.Tensor):
         return "None" if t is None else type(t).__name__
-    dt = next((n for n, d in DTYPE_NAMES.items() if d == t.dtype), str(t.dtype).replace("torch.", ""))
+    dt = next((n for n, d in _NAMES.items() if d == t.dtype), str(t.dtype).replace("torch.", ""))
     return f"[{', '.join(map(str, t.shape))}] {dt} on {t.device}"
 
 
 def _expect(arg: str, t, shape: tuple, dtype: torch.dtype, device: int) -> ValueError:
     dims = ", ".join("*" if d is None else str(d) for d in shape)
-    dt = next((n for n, d in DTYPE_NAMES.items() if d == dtype), str(dtype))
+    dt = next((n for n, d in _NAMES.items() if d == dtype), str(dtype))
     where = "cpu" if device < 0 else f"cuda:{device}"
     return ValueError(f"{arg}: expected [{dims}] {dt} on {where}, got {_describe(t)}")
 

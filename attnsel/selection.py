@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from . import backends, metadata_values, selector
+from .errors import AttnselError, InvalidArgument
 from .backends import PHASES, Phase, RunFn
 from .device import kind as device_kind
 from .dispatch import DispatchTable, build_table  # noqa: F401 (build_table: importable from here)
@@ -25,8 +26,8 @@ from .run_checks import (
     viewed_b1hd,
 )
 from .selector import Candidate, one_line
+from .settings import Settings
 from .spec import AttentionSpec
-from .validate import runner, seconds_from_env, timing
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
 }
 
 
-class SelectionError(RuntimeError):
+class SelectionError(AttnselError, RuntimeError):
     """No backend can serve a phase, or an explicitly requested backend is unavailable or failed validation.
     ``selection``: what was found (every candidate, the phases that can be served), for reports; may be None."""
 
@@ -152,8 +153,8 @@ class Selection:
         n = cu_seqlens_q.shape[0] - 1
         for arg, total in (("total_q", total_q), ("total_k", total_k)):  # q's / k's rows (padding included)
             if total is not None and (not _host_int(total) or total < 0):  # a tensor would be read: a device sync
-                raise ValueError(f"{arg}: expected None or a non-negative Python int (the rows of "
-                                 f"{arg[-1]}: the batch's tokens), got {total!r}")
+                raise InvalidArgument(f"{arg}: expected None or a non-negative Python int (the rows of "
+                                      f"{arg[-1]}: the batch's tokens), got {total!r}")
         seen = None
         if metadata_values.enabled():  # opt-in: one host copy per plan (see metadata_values)
             seen = metadata_values.check_prefill(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
@@ -188,20 +189,20 @@ class Selection:
         the caches per call, for a caller that makes them itself (the FA-compatible functions): the backend's run
         function itself, or in "b1hd" for a backend without that layout, the run between two views."""
         if q_layout not in ("bhd", "b1hd"):
-            raise ValueError(f"q_layout: expected 'bhd' ([batch, heads, head_dim]) or 'b1hd' ([batch, 1, heads, "
-                             f"head_dim]), got {q_layout!r}")
+            raise InvalidArgument(f"q_layout: expected 'bhd' ([batch, heads, head_dim]) or 'b1hd' ([batch, 1, "
+                                  f"heads, head_dim]), got {q_layout!r}")
         check_decode_metadata(page_table, seq_lens, max_seq_len)
         if longest is not None and (not _host_int(longest) or longest < 0):
-            raise ValueError("longest: expected None or a non-negative Python int (the batch's longest context, "
-                             f"exact), got {longest!r}")
+            raise InvalidArgument("longest: expected None or a non-negative Python int (the batch's longest "
+                                  f"context, exact), got {longest!r}")
         pages_needed = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size,
                                                         self.spec.sliding_window, longest)
                         if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
         batch = seq_lens.shape[0]
         if context_tokens is not None:
             if not _host_int(context_tokens) or context_tokens < 0:
-                raise ValueError("context_tokens: expected None or a non-negative Python int (the batch's context "
-                                 f"tokens, summed), got {context_tokens!r}")
+                raise InvalidArgument("context_tokens: expected None or a non-negative Python int (the batch's "
+                                      f"context tokens, summed), got {context_tokens!r}")
             ctx = -(-context_tokens // max(batch, 1))
         elif max_seq_len is not None:
             ctx = max_seq_len
@@ -255,7 +256,7 @@ def priority_list(phase: Phase, given: list[str] | tuple[str, ...] | None) -> li
 
 def _check_choice(label: str, value: str, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"{label} must be one of {', '.join(allowed)}, got {value!r}")
+        raise InvalidArgument(f"{label} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, policy: str = "measure",
@@ -271,7 +272,8 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     "graph" every candidate must also be captured and replayed correctly in a CUDA graph. ``budget_s``: seconds of
     bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 50; a tight budget gives a coarser grid).
     With torch.distributed initialised, rank 0 decides and every rank gets the same Selection.
-    Raises UnknownBackendError/ValueError for bad names and SelectionError when a phase cannot be served (its
+    Raises UnknownBackendError for bad names, InvalidArgument (a ValueError) for other bad arguments, SettingsError
+    for a bad ATTNSEL_* variable (every one is read here) and SelectionError when a phase cannot be served (its
     ``selection`` attribute holds what was found).
     """
     if not isinstance(spec, AttentionSpec):
@@ -281,38 +283,13 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     _check_choice("mode", mode, MODES)
     for arg, value in (("timeout", timeout), ("budget_s", budget_s)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-            raise ValueError(f"{arg} must be a positive number of seconds or None, got {value!r}")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if timeout is None:
-        runner.default_timeout()  # a bad ATTNSEL_VALIDATION_TIMEOUT is an error now, not when a worker starts
-    # likewise ATTNSEL_CHECK_TIMEOUT_S (read by every backend's availability check, which turns errors into reasons)
-    seconds_from_env(backends.CHECK_TIMEOUT_ENV, backends.DEFAULT_CHECK_TIMEOUT_S)
-    # and ATTNSEL_FLASHINFER_WORKSPACE_MB, read only where FlashInfer runs (on a machine without it, never)
-    from .backends.flashinfer import workspace_bytes
-    workspace_bytes()
-    metadata_values.enabled()  # and ATTNSEL_CHECK_METADATA, read at every plan
-    if budget_s is None:
-        budget_s = timing.budget_from_env()
-    elif not budget_s > 0:
-        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
-    device = device or default_device()
-    try:
-        kind = torch.device(device).type
-    except RuntimeError as exc:
-        raise ValueError(f"device {device!r} is not a torch device ({exc})") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was requested but no CUDA device is available")
-    if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= \
-            torch.cuda.device_count():
-        raise ValueError(f"device {device!r} was requested but this machine has {torch.cuda.device_count()} CUDA "
-                         "device(s)")
-    if kind == "meta":
-        raise ValueError("device 'meta' holds no data: attnsel validates and times on a real device (cpu, cuda)")
-    if kind not in ("cpu", "cuda"):  # xpu, mps, ...: the torch backend may serve them, when torch can use them
-        available = getattr(getattr(torch, kind, None), "is_available", None)
-        if available is None or not available():
-            raise ValueError(f"device {device!r} was requested but torch cannot use {kind} devices on this machine")
+            raise InvalidArgument(f"{arg} must be a positive number of seconds or None, got {value!r}")
+        if value is not None and not value > 0:
+            raise InvalidArgument(f"{arg} must be a positive number of seconds, got {value!r}")
+    # every ATTNSEL_* variable now, not where it happens to be read (a worker, a FlashInfer plan, a plugin check)
+    settings = Settings.from_env()
+    budget_s = settings.timing_budget_s if budget_s is None else budget_s
+    device = _checked_device(device or default_device())
     choices = {"prefill": prefill, "decode": decode}
     for choice in choices.values():
         if choice != AUTO:
@@ -324,6 +301,28 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
                 "decode_priority": orders["decode"], "policy": policy, "mode": mode, "device": device_kind(device)}
     return agree(lambda: _decide(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
                                  budget_s), question)
+
+
+def _checked_device(device: str) -> str:
+    """The device, when torch can use it here; InvalidArgument naming it otherwise."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        raise InvalidArgument(f"device {device!r} is not a torch device ({exc})") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(f"device {device!r} was requested but no CUDA device is available")
+    if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= \
+            torch.cuda.device_count():
+        raise InvalidArgument(f"device {device!r} was requested but this machine has {torch.cuda.device_count()} "
+                              "CUDA device(s)")
+    if kind == "meta":
+        raise InvalidArgument("device 'meta' holds no data: attnsel validates and times on a real device (cpu, cuda)")
+    if kind not in ("cpu", "cuda"):  # xpu, mps, ...: the torch backend may serve them, when torch can use them
+        available = getattr(getattr(torch, kind, None), "is_available", None)
+        if available is None or not available():
+            raise InvalidArgument(f"device {device!r} was requested but torch cannot use {kind} devices on this "
+                                  "machine")
+    return device
 
 
 def _decide(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode: str, timeout: float | None,

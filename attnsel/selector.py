@@ -13,6 +13,7 @@ from . import backends
 from .backends import PHASES, Phase
 from .device import fingerprint
 from .dispatch import DispatchTable, _geomean, build_table
+from .errors import InvalidArgument
 from .spec import AttentionSpec
 from .store import Store, TableKey, bucket_errors, recorded_share, time_again, usable, validate_again
 from .validate import runner, timing
@@ -58,7 +59,7 @@ def decide(spec: AttentionSpec, names: dict[Phase, list[str]], measure: dict[Pha
     the phases whose automatic choice is timed (a table is timed where such a phase has more than one runnable
     candidate)."""
     if mode == "graph" and not device.startswith("cuda"):
-        raise ValueError("mode 'graph' needs a CUDA device (CUDA graphs); use mode 'eager' on the CPU")
+        raise InvalidArgument("mode 'graph' needs a CUDA device (CUDA graphs); use mode 'eager' on the CPU")
     fp = fingerprint(device)
     run = _Run(spec, names, mode, device, timeout, budget_s, Store(fp, spec, mode, cache_dir, use_cache))
     timed = [p for p in PHASES if measure[p] and len(run.runnable(p)) > 1]

@@ -42,7 +42,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import statistics
 import time
 from typing import Callable
@@ -50,7 +49,7 @@ from typing import Callable
 import torch
 
 from ..spec import AttentionSpec
-from . import seconds_from_env
+from . import TIMING_TASK  # noqa: F401 (timing.TIMING_TASK: the worker's and the selector's name for it)
 from .cases import clear_output, cumulative, spot_compare, spot_reference
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,6 @@ GRID_VERSION = 8  # part of the dispatch-table cache key: bump when the grids or
 # timed again (commit 348b8aa only); 7: the eager host probe per bucket without re-timing, the plan allowance capped
 # by the task timeout; 8: decode batch sizes at the GPU's first three wave edges, eager decode contexts a power of two
 # plus half a 64-token tile)
-TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 HOST_SLOW = 1.2  # eager: a bucket whose host probe ran this much slower than the phase's reference was timed on a
@@ -73,9 +71,6 @@ MAX_REPEAT = 10000  # units per sample at most
 ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
 MAX_SETS = 1024
 DEFAULT_L2_BYTES = 50 << 20  # H200; used when the device does not report its L2 size
-DEFAULT_BUDGET_S = 50.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S); 45
-# until grid version 8 added the wave-edge batch sizes (26% more eager decode buckets at 32/8 heads on 132 SMs)
-BUDGET_ENV = "ATTNSEL_TIMING_BUDGET_S"
 PLAN_ALLOWANCE_S = 30.0  # per phase: this much of the plans-and-first-calls step (at most
 # PLAN_ALLOWANCE_SHARE of the most a phase's budget may be) is not counted against the budget. H100, 2026-12-05
 # (bench/results/2026-12-05-round14): on an empty Triton kernel cache that step took 15.4 s in decode (Triton
@@ -677,10 +672,6 @@ def _free_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
-def budget_from_env() -> float:
-    return seconds_from_env(BUDGET_ENV, DEFAULT_BUDGET_S)
-
-
 def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.device, mode: str,
             budget_s: float | None = None, reps: int | None = None, grid: list | None = None,
             max_budget_s: float | None = None) -> dict:
@@ -701,7 +692,6 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     """
     from .. import backends
 
-    os.environ.pop("ATTNSEL_FLASHINFER_WORKSPACE_MB", None)  # runtime-sized workspace for real batches
     reps = reps or reps_for(mode, device)
     t0 = time.perf_counter()
     cands = {name: backends.get(name) for name in names}
