@@ -8,7 +8,7 @@ Mapped onto the spec: ``causal`` / ``window_size`` -> ``causal`` / ``sliding_win
 element each) -> ``kv_dtype="fp8_e4m3"``.
 
 The state (options, selections, the call memo, plans) lives in a ``FlashAttention`` object, which an engine may hold
-(one per model, say); the module's functions delegate to one default instance, made on first use. The spec is
+(one per model, say); the module's functions are the methods of one default instance (``default()``). The spec is
 inferred from the tensors; the backend selection runs once per (spec, device) per instance (same rules and persistent
 cache as ``attnsel.select``; ``$ATTNSEL_PREFILL_BACKEND`` / ``$ATTNSEL_DECODE_BACKEND`` or ``configure()`` choose
 explicit backends). A call plans on the selected backend and runs; the plan is reused while
@@ -38,7 +38,6 @@ of host time on the H200's host).
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import logging
 import math
@@ -405,7 +404,7 @@ class FlashAttention:
 
 @functools.cache
 def default() -> FlashAttention:
-    """The instance the module's functions use, made on first use (the only module-level state)."""
+    """The instance the module's functions belong to (the only module-level state)."""
     return FlashAttention()
 
 
@@ -424,24 +423,10 @@ def selection_for(spec: AttentionSpec, device: torch.device | str) -> Selection:
     return default().selection_for(spec, device)
 
 
-def _as_method(function, method):
-    """Give a module function the docstring and signature (FA3's parameters) of the method it delegates to, for
-    callers that read them."""
-    params = list(inspect.signature(method).parameters.values())[1:]  # without self
-    function.__doc__, function.__signature__ = method.__doc__, inspect.signature(method).replace(parameters=params)
-    return function
-
-
-def flash_attn_varlen_func(*args, **kwargs):
-    return default().flash_attn_varlen_func(*args, **kwargs)
-
-
-def flash_attn_with_kvcache(*args, **kwargs):
-    return default().flash_attn_with_kvcache(*args, **kwargs)
-
-
-_as_method(flash_attn_varlen_func, FlashAttention.flash_attn_varlen_func)
-_as_method(flash_attn_with_kvcache, FlashAttention.flash_attn_with_kvcache)
+# The FA-compatible functions are the default instance's own methods: a function delegating to them would add a frame
+# and a repacking of some 25 arguments to every call (about a microsecond, on calls of a few).
+flash_attn_varlen_func = default().flash_attn_varlen_func
+flash_attn_with_kvcache = default().flash_attn_with_kvcache
 
 
 def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int,

@@ -915,10 +915,9 @@ def test_softcap_false_means_no_cap_with_or_without_a_window(monkeypatch):
 def test_state_lives_in_instances_an_engine_can_hold(monkeypatch):
     """No mutable state at module level: options, selections, the call memo and plans belong to a FlashAttention;
     an engine's own instance is independent of the module functions' default one (and of another engine's)."""
-    import types
+    import inspect
 
-    shared = [n for n, v in vars(flash_api).items() if isinstance(v, (dict, list, set)) and not n.startswith("__")]
-    assert shared == []
+    assert mutable_globals(flash_api) == []
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     mine, other = flash_api.FlashAttention(policy="priority"), flash_api.FlashAttention(prefill="torch")
@@ -929,5 +928,16 @@ def test_state_lives_in_instances_an_engine_can_hold(monkeypatch):
     assert len(mine._plans) == 1 and not other._plans and not other._selections
     assert mine.options == {"policy": "priority"} and other.options == {"prefill": "torch"}
     assert flash_api.default() is flash_api.default() and flash_api.default() not in (mine, other)
-    assert isinstance(flash_api.flash_attn_varlen_func, types.FunctionType)
-    assert "softmax_scale" in __import__("inspect").signature(flash_api.flash_attn_varlen_func).parameters
+    assert attnsel.flash_attn_varlen_func.__self__ is flash_api.default()  # its methods: no delegation per call
+    assert "softmax_scale" in inspect.signature(attnsel.flash_attn_with_kvcache).parameters  # FA3's signature
+
+
+def mutable_globals(module) -> list[str]:
+    """The names a module assigns at its top level to a dict, list or set (imported names are not its state)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    names = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    return [n for n in names if isinstance(getattr(module, n), (dict, list, set))]

@@ -389,8 +389,7 @@ def test_no_continuous_batching_route_is_a_warning_not_an_error(monkeypatch, cap
 def test_registration_state_lives_in_an_object():
     """No mutable state at module level: options, selections, counts and step plans belong to an HFAttention; the
     registered functions use the default instance, which register() configures (and counts from zero again)."""
-    shared = [n for n, v in vars(hf).items() if isinstance(v, (dict, list, set)) and not n.startswith("__")]
-    assert shared == []
+    assert mutable_globals(hf) == []
     state = hf.default()
     hf.register("torch", "torch", policy="priority")
     assert hf.default() is state and state.options == {"policy": "priority", "prefill": "torch", "decode": "torch"}
@@ -400,3 +399,14 @@ def test_registration_state_lives_in_an_object():
     hf.register()
     assert hf.fallbacks() == {} and state.options == {} and state.generation == generation + 1
     assert hf.HFAttention().options == {} and hf.HFAttention().counts is not state.counts
+
+
+def mutable_globals(module) -> list[str]:
+    """The names a module assigns at its top level to a dict, list or set (imported names are not its state)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    names = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    return [n for n in names if isinstance(getattr(module, n), (dict, list, set))]
