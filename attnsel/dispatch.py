@@ -10,8 +10,8 @@ import math
 
 from .validate import timing
 
-TIE = 0.01  # measured within 1% of the fastest: priority order decides. H200 2026-12-03: with 3%, FA3 won the
-# batch-16 decode bucket by priority while 1.02x slower there and 1.09-1.27x slower at batch 12 (bench/results)
+TIE = 0.01  # measured within 1% of the fastest: priority order decides (a wider band lets a backend 2% slower win a
+# bucket by priority, and serve the shapes around it where it is slower still)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +69,10 @@ class DispatchTable:
     ``backend_for`` interpolates between timed shapes: where every corner of the box of timed values around a shape
     was timed (per axis the values just below and above it, in log space), each candidate's slowdown (log of its time
     over the corner's fastest) is interpolated multilinearly in log space and the least wins; within ``TIE`` of it,
-    the candidate whose worst corner is least (H200 round 11: the nearest corner's choice, FA3 in a three-way 1% tie
-    at 91 rows, 5% behind at 128, served 100 rows 1.24x slower than FlashInfer; replayed over rounds 10 and 11 by
-    scripts/replay_dispatch.py, eager decode 138 -> 142 of 150 cells within 3%, graph unchanged). A backend that
-    wins one corner and loses badly at the next then does not serve the shapes between them (on the H200: FA3 won
-    batch-16 decode by 0.9% and was 1.24-1.31x slower at batch 12, where Triton was within 1% at both batch 8 and
-    16). Elsewhere (sparse corners, e.g. prefill) the nearest bucket serves.
+    the candidate whose worst corner is least (the nearest corner's choice, a near-tie there, can be far behind at
+    the next corner; scripts/replay_dispatch.py replays recorded benches with these rules). A backend that wins one
+    corner narrowly and loses badly at the next then does not serve the shapes between them. Elsewhere (sparse
+    corners, e.g. prefill) the nearest bucket serves.
     """
 
     phase: str
@@ -135,11 +133,9 @@ class DispatchTable:
         """The timed bucket that serves a shape given on the table's axes: the one nearest to the shape in log
         space, the shape first clamped per axis to the timed range and rounded to 1/16 octave (nearby shapes share
         one memoised answer; within 1/32 octave of a midpoint the rounding may pick the other side); ties go to
-        the earlier bucket (coarse grid first). Measured from the
-        shape itself, not from the centre of its cell: on the H200 (2026-12-04) 40 prompts x 100 tokens lies in
-        the cell of (32 prompts, 4608 tokens, longest 102), which was not timed; from that cell's centre the
-        timed (32, 3264, 102) and (32, 4608, 144) were equally near and FA3's 144-token bucket served it, 1.31x
-        slower than FlashInfer, while the shape itself is nearest to (32, 3264, 102), FlashInfer's."""
+        the earlier bucket (coarse grid first). Measured from the shape itself, not from the centre of its cell: a
+        cell whose centre was not timed can be equally near to timed buckets on both sides, while the shape is
+        nearer to one of them."""
         self._check_key(key)
         point = tuple(round(16 * _log2(min(max(x, v[0]), v[-1]))) / 16 for x, v in zip(key, self._values))
         hit = self._cells.get(point)

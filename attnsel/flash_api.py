@@ -32,8 +32,8 @@ decode's split buffers), so they must outlive every graph (one plan per captured
 plan syncs with the host, so a FlashInfer selection cannot be captured here.
 
 Decode plans take q in FA3's ``[batch, 1, H, D]`` (``Selection.plan_decode(q_layout="b1hd")``): FA3 and Triton runs
-take that layout as it comes; other backends get q viewed as ``[batch, H, D]`` and out viewed back (two views, 2-4 us
-of host time on the H200's host).
+take that layout as it comes; other backends get q viewed as ``[batch, H, D]`` and out viewed back (two views, a few
+microseconds of host time).
 """
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ from typing import Literal
 import torch
 
 from . import backends, metadata_values, selector
-from .errors import AttnselError, InvalidArgument
 from .backends import PHASES, Phase, RunFn
 from .device import kind as device_kind
 from .dispatch import DispatchTable, build_table  # noqa: F401 (build_table: importable from here)
 from .dist import agree
+from .errors import AttnselError, InvalidArgument
 from .run_checks import (
     _host_int,
     _pages_checked,
@@ -36,9 +36,9 @@ POLICIES = ("measure", "priority")
 MODES = ("eager", "graph")
 # FlashInfer's template variants (flashinfer_fa2 prefill, flashinfer_fa3 decode) are registered but opt-in
 # (--prefill-priority / --decode-priority): each is a further JIT build of about two minutes on a fresh machine.
-# flashinfer_xqa is opt-in too: on the H200 under CUDA graphs it won the batch-1..16 buckets on uniform contexts but
-# was 1.85x slower than Triton on a ragged batch (one 9000-token row among short ones) and 1.04-1.13x on long
-# contexts, so the table lost (17 of 25 bench cells within 3%; 22 in round 6 without it; bench/results/2026-12-04-round9).
+# flashinfer_xqa is opt-in too: it wins small uniform CUDA-graph decode buckets but splits every row alike, so a
+# ragged batch (one long row among short ones) or a long context served by it is slower than Triton's decode, and
+# the table with it is worse over all (docs/ARCHITECTURE.md, Variants).
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
     "prefill": ("fa3", "flashinfer", "fa3_split", "fa3_packgqa", "triton", "torch"),
     "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "torch"),
@@ -170,24 +170,23 @@ class Selection:
                     context_tokens: int | None = None, *, longest: int | None = None, q_layout: str = "bhd",
                     checked: bool = True) -> RunFn:
         """Plan a paged decode batch on the backend its shape dispatches to; returns ``run(q, k_cache, v_cache)``
-        (shapes: backends.Backend). No device sync: the bucket is (batch = ``seq_lens.shape[0]``, context) from
-        host ints: context is the batch's mean context ceil(``context_tokens`` / batch) when ``context_tokens`` (the
-        context tokens summed over the batch) is given: a decode's time follows the tokens it reads (H200
-        2026-12-03: keyed by its longest row, a ragged batch of 8 was served by a backend 2.04x slower than the
-        fastest); with ``longest`` too (the batch's longest context, exact: ``max_seq_len`` may be a bound; read
-        only with ``context_tokens``; checked against seq_lens under ATTNSEL_CHECK_METADATA=1), a
-        batch whose longest row is at least timing.RAGGED_SKEW times the mean is served by the eager table's ragged
-        buckets where it has them (DispatchTable.backend_for: which backend is fastest on rows of very different
-        lengths is not what the uniform batch of the mean says: H200 2026-12-06, 1.17-1.65x at 32 and 128 rows); else
-        ``max_seq_len``; else ``page_table.shape[1] * page_size``, the longest context the table can hold (an
-        overestimate when the table is wider than needed: pass one of them). In mode "graph" only the batch size
-        matters. The run function checks q and the caches against the spec and raises ValueError naming the
-        argument. It owns the plan's device buffers: keep it alive as long as any CUDA graph that captured it may
-        be replayed (a graph holds device pointers only; a freed plan's memory goes to the next allocation).
-        ``q_layout="b1hd"``: the run takes q and returns out as FlashAttention's ``[batch, 1, heads, head_dim]``
-        (no views where the backend takes that layout itself: FA3, Triton). ``checked=False``: no checks of q and
-        the caches per call, for a caller that makes them itself (the FA-compatible functions): the backend's run
-        function itself, or in "b1hd" for a backend without that layout, the run between two views."""
+        (shapes: backends.Backend). No device sync: the bucket is (batch = ``seq_lens.shape[0]``, context) from host
+        ints: context is the batch's mean context ceil(``context_tokens`` / batch) when ``context_tokens`` (the context
+        tokens summed over the batch) is given: a decode's time follows the tokens it reads (keyed by its longest row, a
+        ragged batch can be served by a backend twice as slow as the fastest); with ``longest`` too (the batch's longest
+        context, exact: ``max_seq_len`` may be a bound; read only with ``context_tokens``; checked against seq_lens
+        under ATTNSEL_CHECK_METADATA=1), a batch whose longest row is at least timing.RAGGED_SKEW times the mean is
+        served by the eager table's ragged buckets where it has them (DispatchTable.backend_for: which backend is
+        fastest on rows of very different lengths is not what the uniform batch of the mean says); else ``max_seq_len``;
+        else ``page_table.shape[1] * page_size``, the longest context the table can hold (an overestimate when the table
+        is wider than needed: pass one of them). In mode "graph" only the batch size matters. The run function checks q
+        and the caches against the spec and raises ValueError naming the argument. It owns the plan's device buffers:
+        keep it alive as long as any CUDA graph that captured it may be replayed (a graph holds device pointers only; a
+        freed plan's memory goes to the next allocation). ``q_layout="b1hd"``: the run takes q and returns out as
+        FlashAttention's ``[batch, 1, heads, head_dim]`` (no views where the backend takes that layout itself: FA3,
+        Triton). ``checked=False``: no checks of q and the caches per call, for a caller that makes them itself (the
+        FA-compatible functions): the backend's run function itself, or in "b1hd" for a backend without that layout, the
+        run between two views."""
         if q_layout not in ("bhd", "b1hd"):
             raise InvalidArgument(f"q_layout: expected 'bhd' ([batch, heads, head_dim]) or 'b1hd' ([batch, 1, "
                                   f"heads, head_dim]), got {q_layout!r}")

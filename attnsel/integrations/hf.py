@@ -409,8 +409,8 @@ class _StepPlans:
     static input buffers in ways that do not always bump a tensor's version.
 
     Off CUDA every call plans afresh: reusing a step's plan across layers gave NaN outputs for a CPU-resident model
-    under the device machine's torch 2.11 (2026-12-02; CUDA runs were token-identical either way, the cause was not
-    found). Planning is cheap next to CPU attention."""
+    under torch 2.11 (CUDA runs were token-identical either way; the cause is not known). Planning is cheap next to
+    CPU attention."""
 
     def __init__(self) -> None:
         self.layer: int | None = None
