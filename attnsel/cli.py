@@ -1,6 +1,5 @@
-"""`attnsel report | select | bench | cache | serve`: exit 0 on success, 2 for bad input (attnsel's own errors: a
-flag, a spec, a backend name, an ATTNSEL_* variable), 3 when a phase cannot be served (or `bench` or `--mode graph`
-finds no CUDA device), 1 when stdout cannot take the output. Any other exception is a bug: its traceback shows."""
+"""`attnsel report | select | bench | cache | serve`: exit 0 on success, 2 for bad input (attnsel's own errors), 3 when
+a phase cannot be served (or no CUDA device for `bench`, `--mode graph`), 1 when stdout cannot take the output."""
 from __future__ import annotations
 
 import argparse
@@ -16,10 +15,9 @@ from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__, backends, serve, settings
+from . import __version__, backends, errors, serve, settings
 from .backends import UnknownBackendError
 from .cache import ResultCache
-from .errors import AttnselError
 from .selection import AUTO, DEFAULT_PRIORITY, MODES, POLICIES, Selection, SelectionError, select
 from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs, short_dtype_name
 from .validate import timing
@@ -37,11 +35,11 @@ EXIT_OUTPUT, EXIT_USAGE, EXIT_UNSERVED = 1, 2, 3  # 1: stdout could not take the
 LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
 
 
-class UsageError(AttnselError, ValueError):
+class UsageError(errors.AttnselError, ValueError):
     """A flag's value the command refuses (exit 2)."""
 
 
-class CannotRun(AttnselError, RuntimeError):
+class CannotRun(errors.AttnselError, RuntimeError):
     """The input is fine but this machine cannot do it (exit 3): `bench` or `--mode graph` without a CUDA device."""
 
 
@@ -590,14 +588,12 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdout is not None:
             sys.stdout.flush()  # a full disk shows here for output still buffered
         return result
-    except SelectionError as exc:
-        err.print(f"attnsel: cannot serve: {exc}", markup=False, highlight=False, soft_wrap=True)
+    except (SelectionError, CannotRun) as exc:
+        what = "cannot serve" if isinstance(exc, SelectionError) else "cannot run"
+        err.print(f"attnsel: {what}: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_UNSERVED
-    except CannotRun as exc:
-        err.print(f"attnsel: cannot run: {exc}", markup=False, highlight=False, soft_wrap=True)
-        return EXIT_UNSERVED
-    except AttnselError as exc:  # SpecError, UsageError, UnknownBackendError, SettingsError, ...: bad input
-        err.print(f"attnsel: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+    except errors.AttnselError as exc:  # SpecError, UnknownBackendError, SettingsError, ...: bad input; any other
+        err.print(f"attnsel: error: {exc}", markup=False, highlight=False, soft_wrap=True)  # error is a bug: traceback
         return EXIT_USAGE
     except BrokenPipeError as pipe:  # the reader of stdout went away (`attnsel cache path | head -0`; rich's
         # tables handle it themselves: exit 1): no traceback, the shell's status for SIGPIPE
