@@ -12,7 +12,7 @@ from attnsel.backends import BUILTINS, get
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
-from attnsel.validate import cases
+from attnsel.validate import cases, spot
 from tests import fault_numerics as faults
 
 CPU = torch.device("cpu")
@@ -89,7 +89,7 @@ def test_the_timing_spot_check_judges_each_sampled_row(phase):
     for backend in (TORCH, DROP_LAST_KEYS):
         plan = backend.plan_prefill if phase == "prefill" else backend.plan_decode
         out = plan(spec, *plan_args)(*inputs)
-        reason = cases.spot_check(spec, phase, plan_args, inputs, out, {})
+        reason = spot.spot_check(spec, phase, plan_args, inputs, out, {})
         if backend is TORCH:
             assert reason is None
         else:

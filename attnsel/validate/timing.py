@@ -25,7 +25,7 @@ Timing rules (what a number in a report means):
   bucket where a timed candidate fails is timed again with every candidate, so that a pruned one can serve it.
 - Checked: after the timing, what the timed plan computes (eager: two more calls, the first one's output NaN-filled
   and held during the second; graph: outputs NaN-filled, one more replay, the first and last input set) is compared
-  with the float32 reference on sampled rows (cases.spot_reference, once per bucket and set); a wrong candidate gets
+  with the float32 reference on sampled rows (spot.spot_reference, once per bucket and set); a wrong candidate gets
   no time in that bucket, with the reason.
 - Eager: a sample is m consecutive ``run`` calls (host launch cost included: an engine in eager mode pays it).
   Graph: one CUDA graph per candidate and bucket holds one call per input set; a sample is m replays. A candidate
@@ -45,7 +45,8 @@ import torch
 
 from ..spec import AttentionSpec
 from . import TIMING_TASK  # noqa: F401 (timing.TIMING_TASK: the worker's and the selector's name for it)
-from .cases import clear_output, spot_compare, spot_reference
+from .cases import clear_output
+from .spot import spot_compare, spot_reference
 from .grid import (DECODE_AXES, PREFILL_AXES, decode_grid, device_sms, feature_inputs, prefill_grid, prefill_key,
                    prefill_label, ragged_decode_grid, ragged_key, rotated_workloads)
 from .grid import RAGGED_SKEW  # noqa: F401  selection.py reads it as timing.RAGGED_SKEW
@@ -264,7 +265,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
                 del prepared[name]
             cursor += item.repeat
     lap("samples")
-    references: dict = {}  # input set index -> cases.SpotReference, shared by the candidates
+    references: dict = {}  # input set index -> spot.SpotReference, shared by the candidates
     for name, item in list(prepared.items()):  # a fast wrong answer must not win: check what the timed plan computed
         reason = _timed_output_reason(item, spec, phase, plan_args, sets, device, references)
         if reason:
