@@ -346,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # `attnsel` alone: the commands, not an argparse error
+        parser.print_help()
+        return 0
     args, unknown = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # which spelling of a flag the user typed, for errors
     if unknown:  # named by the command's own parser, with its usage (the top-level usage lists no command's flags)

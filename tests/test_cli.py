@@ -573,3 +573,13 @@ def test_attnsel_errors_are_one_line_exit_2(capsys, monkeypatch):
         monkeypatch.setattr(cli, "cmd_cache", lambda args, out, error=error: (_ for _ in ()).throw(error))
         code, out, err = run(capsys, "cache", "path")
         assert code == 2 and out == "" and err.strip() == f"attnsel: error: {error}"
+
+
+def test_no_command_prints_the_help(capsys):
+    """`attnsel` / `python -m attnsel` with no arguments: the commands and what they do, exit 0 (not an argparse
+    error naming its internal `command`)."""
+    from attnsel.cli import main as cli_main
+
+    assert cli_main([]) == 0
+    out = capsys.readouterr().out
+    assert "report" in out and "select" in out and "bench" in out and "serve" in out
