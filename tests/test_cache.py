@@ -227,7 +227,7 @@ def test_triton_interpret_is_part_of_the_key(monkeypatch):
 
 
 PLUGIN = """
-from tests.fault_backends import Wrapped
+from tests.fixtures.fault_backends import Wrapped
 
 
 class Plugin(Wrapped):

@@ -144,7 +144,7 @@ def test_explicit_unavailable_backend_exits_3(capsys):
 
 
 def test_explicit_backend_failing_validation_exits_3_and_is_not_replaced(capsys, monkeypatch):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NAN_DECODE")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:NAN_DECODE")
     code, out, err = run(capsys, "select", *SMALL, "--llm_decode_att_backend", "nan_decode")
     assert code == 3
     assert "decode backend 'nan_decode' was requested explicitly but is rejected" in " ".join(err.split())
@@ -343,7 +343,7 @@ def test_no_numpy_warning_numpy_is_a_dependency():
 
 
 def test_a_layer_kind_that_cannot_be_served_is_shown_and_exits_3(capsys, monkeypatch):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NAN_DECODE")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:NAN_DECODE")
     code, out, err = run(capsys, "report", "--config", str(CONFIGS / "gemma-3-1b.json"), "--json", "--policy",
                          "priority", "--device", "cpu", "--llm_decode_att_backend", "nan_decode")
     assert code == 3

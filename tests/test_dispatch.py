@@ -504,7 +504,7 @@ def test_a_candidate_that_fails_in_a_bucket_gets_no_time_there():
 def test_a_candidate_fast_and_wrong_when_timed_gets_no_time(phase, shape, mode, monkeypatch):
     """A plan right on its first runs (so it passes validation) that skips work once run many times must not win a
     bucket: the timing checks what the timed plan computed. Graph mode on CPU: the capture is a loop of calls."""
-    from tests import fault_numerics as faults
+    from tests.fixtures import fault_numerics as faults
 
     class ReplayLoop:  # what a CUDA graph does on replay: the captured calls write into the captured outputs
         def __init__(self, run, sets):
@@ -749,7 +749,7 @@ def test_candidates_validated_by_a_worker_that_died_are_still_timed(monkeypatch,
     cached."""
     import logging
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:ALL")
     kw = dict(prefill="torch", decode_priority=["triton", "segfault_decode", "torch"])
     with caplog.at_level(logging.INFO):
         sel = select(SPEC, **kw)
@@ -765,7 +765,7 @@ def test_a_table_whose_candidate_the_outlier_rule_rejects_is_reused(monkeypatch,
     """biased passes its own validation but the cross-candidate outlier rule rejects it (applied on every
     selection, from the cached errors); the table of the others was stored under a key without biased while the
     lookup asked with it, so every run timed again (review, 2026-12-05). Now the second run is a hit, no worker."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:PRECISE_AND_BIASED")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:PRECISE_AND_BIASED")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     spec = AttentionSpec(4, 2, 64, "bf16", page_size=16)
     kw = dict(budget_s=2, prefill="torch", decode_priority=["precise", "biased", "torch"])
@@ -783,7 +783,7 @@ def test_a_table_whose_candidate_got_no_time_is_reused_with_its_reason(monkeypat
     """stale_when_timed is valid but wrong in every timed bucket: the table (torch alone timed) is complete in the
     sense that matters, every missing time has its recorded reason, so it is stored and the next run reuses it
     (before: never stored, every run spawned a worker and timed again)."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:STALE_WHEN_TIMED")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:STALE_WHEN_TIMED")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     spec = AttentionSpec(4, 2, 64, "fp32", page_size=16)
     kw = dict(budget_s=2, prefill_priority=["stale_when_timed", "torch"], decode="torch")
@@ -815,7 +815,7 @@ def test_a_table_cut_by_the_budget_is_timed_again_under_a_larger_one(monkeypatch
     run had: raising ATTNSEL_TIMING_BUDGET_S changed nothing until `attnsel cache clear` (review, 2026-12-05). Now
     a run with a larger budget than the one that cut the table times it again; the same or a smaller budget reuses
     it, and a table without skipped buckets is reused under any budget."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:TORCH_COPY")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:TORCH_COPY")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     kw = dict(prefill="torch", decode_priority=["torch", "torch_copy"])
     cut = select(SPEC, budget_s=1e-6, **kw)
@@ -833,7 +833,7 @@ def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
     decode alone under the same total (decode's share doubles) times it again; and an infinite budget ("no
     limit", capped by the worker) records null, not Infinity, which the cache would read back as malformed and
     time again on every run (second review, 2026-12-05)."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:TORCH_COPY")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:TORCH_COPY")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     both = dict(prefill_priority=["torch", "torch_copy"], decode_priority=["torch", "torch_copy"])
     decode_only = dict(prefill="torch", decode_priority=["torch", "torch_copy"])
@@ -858,7 +858,7 @@ def test_no_table_is_timed_where_the_outlier_rule_leaves_one_candidate(monkeypat
     """precise and biased both pass their own checks; the outlier rule rejects biased, leaving one candidate and
     no table. The lookup counted two valid candidates and timed the phase on every run, for a table it then threw
     away (second review, 2026-12-05). Now a warm run applies the rule first: a hit, no worker."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:PRECISE_AND_BIASED")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:PRECISE_AND_BIASED")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     spec = AttentionSpec(4, 2, 64, "bf16", page_size=16)
     kw = dict(budget_s=2, prefill="torch", decode_priority=["precise", "biased"])
@@ -1108,7 +1108,7 @@ def test_plan_decode_in_flash_layout_passes_q_only_to_backends_that_take_it(monk
     """q_layout="b1hd": q [B, 1, H, D] reaches a backend whose decode_takes_b1hd is True as the very tensor given
     (no view); any other backend (attribute missing, not True, or raising: logged) gets q viewed as [B, H, D]. Out is
     [B, 1, H, D] and equal to the [B, H, D] plan's, against the float32 reference either way."""
-    from tests.feature_cases import decode_case
+    from tests.fixtures.feature_cases import decode_case
 
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:B1HD_PLUGINS")
     spec = AttentionSpec(4, 2, 16, "fp32", 16)

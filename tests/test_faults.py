@@ -17,7 +17,7 @@ from attnsel.cache import ResultCache
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
 from attnsel.validate import runner
-from tests.fault_backends import BROKEN_CONTEXT, FAULTS
+from tests.fixtures.fault_backends import BROKEN_CONTEXT, FAULTS
 
 TIMEOUT = 8.0
 SPEC = AttentionSpec(4, 2, 64, "fp32", page_size=4)
@@ -39,7 +39,7 @@ RESTARTS = ("import_error", "raise", "sticky", "poison")  # the worker survives,
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     mp = pytest.MonkeyPatch()
-    mp.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    mp.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:ALL")
     cache_dir = tmp_path_factory.mktemp("cache")
     mp.setenv("ATTNSEL_CACHE_DIR", str(cache_dir))
     order = {p: [f"{f}_{p}" for f in FAULTS] + ["torch"] for p in ("prefill", "decode")}
@@ -106,7 +106,7 @@ def test_a_broken_process_blames_no_later_candidate(faulty):
 def test_timeouts_are_not_cached_but_crashes_are(monkeypatch):
     from attnsel.cache import ResultCache
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:ALL")
     kw = dict(policy="priority", prefill_priority=["segfault_prefill", "hang_prefill", "torch"],
               decode_priority=["torch"], timeout=3.0)
     first = select(SPEC, **kw)
@@ -120,7 +120,7 @@ def test_timeouts_are_not_cached_but_crashes_are(monkeypatch):
 
 
 def test_rejections_are_logged(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:ALL")
     with caplog.at_level(logging.WARNING):
         sel = select(SPEC, policy="priority", prefill_priority=["raise_prefill", "torch"],
                      decode_priority=["nan_decode", "torch"])
@@ -143,7 +143,7 @@ def test_failed_start_is_retried_once_and_not_cached(tmp_path, monkeypatch):
     """A worker that exits before "ready" (here: a plugin import kills it) is about the machine: the first failure
     is retried; two in a row reject the tasks as transient, nothing is cached, and the next selection works
     without `attnsel cache clear`."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_start:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_start:BACKENDS")
     monkeypatch.setenv("ATTNSEL_TEST_FAIL_START", "3")
     monkeypatch.setenv("ATTNSEL_TEST_FAIL_START_COUNT", str(tmp_path / "starts"))
     with pytest.raises(SelectionError) as err:
@@ -163,7 +163,7 @@ def test_failed_start_is_retried_once_and_not_cached(tmp_path, monkeypatch):
 def test_case_that_cannot_be_built_blames_no_candidate(tmp_path, monkeypatch):
     """make_case failing is attnsel's or the machine's fault: retried in a fresh worker, never blamed on the
     candidate about to run; failing twice rejects that phase's tasks as transient (not cached)."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_case:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_case:BACKENDS")
     monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE_COUNT", str(tmp_path / "cases"))
     monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE", "1")
     sel = select(SPEC, **PRIO)
@@ -181,7 +181,7 @@ def test_case_that_cannot_be_built_blames_no_candidate(tmp_path, monkeypatch):
 
 
 def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM")
     before = runner.spawn_count
     sel = select(SPEC, policy="priority", prefill_priority=["oom", "torch"], decode_priority=["torch"])
     cand = sel.candidates["prefill"][0]
@@ -193,7 +193,7 @@ def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch):
 
 
 def _probe_oom(monkeypatch, tmp_path, workers: int) -> dict:
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_probe:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_probe:BACKENDS")
     monkeypatch.setenv("ATTNSEL_TEST_PROBE_OOM", str(workers))
     monkeypatch.setenv("ATTNSEL_TEST_PROBE_OOM_COUNT", str(tmp_path / "probe_ooms"))
     return dict(policy="priority", prefill_priority=["probe_oom", "torch"], decode_priority=["torch"])
@@ -231,7 +231,7 @@ def test_health_probe_out_of_memory_twice_is_not_cached(tmp_path, monkeypatch):
 def test_a_worker_killed_from_outside_is_reported_not_cached(monkeypatch):
     """Review finding: SIGKILL (the kernel's OOM killer) or SIGTERM says nothing about the backend: the candidate is
     rejected for this start, with the signal in its reason, and tried again at the next start."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM_KILLED")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM_KILLED")
     sel = select(SPEC, policy="priority", prefill_priority=["oom_killed", "torch"], decode_priority=["torch"])
     cand = sel.candidates["prefill"][0]
     assert cand.status == "rejected" and "SIGKILL" in cand.reason
@@ -242,7 +242,7 @@ def test_a_worker_killed_from_outside_is_reported_not_cached(monkeypatch):
 
 
 def test_out_of_memory_while_timing_is_retried_and_not_cached(monkeypatch, caplog):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM_TIMING")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM_TIMING")
     with caplog.at_level(logging.WARNING, logger="attnsel"):
         sel = select(SPEC, policy="measure", prefill_priority=["oom_timing", "torch"], decode_priority=["torch"])
     assert "@timing prefill: out of memory" in caplog.text and "retrying once in a fresh worker" in caplog.text
@@ -254,7 +254,7 @@ def test_out_of_memory_while_timing_is_retried_and_not_cached(monkeypatch, caplo
 def test_worker_that_cannot_exit_is_killed_after_done(monkeypatch):
     """A library leaves a non-daemon thread: the worker cannot exit. Once "done" arrives it is killed, far below
     the validation timeout."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NO_EXIT")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:NO_EXIT")
     t0 = time.monotonic()
     sel = select(SPEC, policy="priority", prefill_priority=["noexit", "torch"], decode_priority=["torch"],
                  timeout=60.0)
@@ -269,7 +269,7 @@ def test_worker_that_cannot_exit_is_killed_after_done(monkeypatch):
 def test_worker_path_reports_input_mutation(monkeypatch):
     """A candidate that writes into its inputs after computing its output is rejected (cases.run_case's input
     check, helper "correctness"), and the next candidate gets the case intact."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:MUTATE")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:MUTATE")
     sel = select(SPEC, policy="priority", prefill_priority=["mutate", "torch"], decode_priority=["mutate", "torch"])
     for phase in ("prefill", "decode"):
         cand = {c.name: c for c in sel.candidates[phase]}
@@ -303,7 +303,7 @@ def test_interrupted_parent_leaves_no_worker_and_no_log(tmp_path, sig):
     SIGINT, reaped by the parent) and no attnsel-worker-*.log is left in the temp directory."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp), ATTNSEL_BACKENDS="tests.fault_backends:ALL")
+    env = dict(os.environ, TMPDIR=str(tmp), ATTNSEL_BACKENDS="tests.fixtures.fault_backends:ALL")
     proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED], env=env, stderr=subprocess.PIPE, text=True)
     worker = None
     try:
@@ -337,7 +337,7 @@ def test_gpu_real_cuda_fault_blames_only_its_candidate(monkeypatch):
     worker and are valid; the faulty one is rejected; the cache holds torch as valid."""
     import torch
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:CUDA_FAULT")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:CUDA_FAULT")
     spec = AttentionSpec(8, 2, 128, "bf16", 16)
     sel = select(spec, policy="priority", prefill_priority=["cuda_fault", "torch"],
                  decode_priority=["cuda_fault", "torch"], device=f"cuda:{torch.cuda.current_device()}")

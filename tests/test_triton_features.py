@@ -2,7 +2,8 @@
 
 Also the decode contract: zero-length rows give zeros, and nothing past a sequence's length is read (NaN in unused
 slots and pages, -1 / num_pages sentinels in unused page-table columns), on the single- and split-KV paths.
-The reference (tests/feature_cases.py) is written from the AttentionSpec docstring, independently of the kernels.
+The reference (tests/fixtures/feature_cases.py) is written from the AttentionSpec docstring, independently of the
+kernels.
 """
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import attnsel.backends.triton as tb
 from attnsel.backends import get
 from attnsel.spec import AttentionSpec
-from tests.feature_cases import decode_case, prefill_case, reference
+from tests.fixtures.feature_cases import decode_case, prefill_case, reference
 
 TOL = {"fp16": 2e-3, "bf16": 1.6e-2}  # validate.cases.TOL_FLOOR: output rounding to the dtype (|out| <= 1)
 CPU = torch.device("cpu")
@@ -251,7 +252,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         pytest.skip(f"Triton's bundled ptxas is missing ({ptxas})")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(Path(os.environ["ATTNSEL_CACHE_DIR"]) / "triton")
-    proc = subprocess.run([sys.executable, "-m", "tests.triton_compile_check"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tests.fixtures.triton_compile_check"], capture_output=True, text=True,
                           env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("OK ") == 15
@@ -453,7 +454,7 @@ def test_decode_merge_survives_arrival_counts_left_by_overlapping_runs(monkeypat
 
 def test_decode_merge_tile_past_the_limit_takes_the_reduce_kernel(monkeypatch):
     """head_dim 256 with 64 splits: the in-kernel merge's [64, 256] float32 tile makes the decode kernel spill
-    (tests/triton_compile_check.py), so such a plan merges in the reduce kernel (no arrival counts); 32 splits
+    (tests/fixtures/triton_compile_check.py), so such a plan merges in the reduce kernel (no arrival counts); 32 splits
     merge in the kernel."""
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
     real_zeros, counts = torch.zeros, []
