@@ -253,7 +253,7 @@ def test_decode_plan_reused_many_times_eager_and_graph(name, shape):
     """One plan run many times (every layer of a step, the timed samples), eagerly and as CUDA-graph replays over
     several input sets, with a table exactly as wide as needed or much wider (an engine's table): every output right.
     (On the H200 the bench saw wrong FA3 graph outputs and device faults: the timing freed plans while their graphs
-    were replayed, see test_dispatch.py::test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph.)"""
+    were replayed, see test_timing.py::test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph.)"""
     from attnsel.validate import timing
 
     spec = SPECS["gqa4-d128-bf16"]

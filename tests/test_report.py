@@ -106,7 +106,7 @@ DEC = {(1, 32): {"torch": 10.0, "triton": 20.0}, (4, 32): {"torch": 90.0, "trito
 @pytest.fixture
 def injected(monkeypatch):
     """The worker replaced by fixed results: every candidate valid, the timings above."""
-    from tests.test_dispatch import fake_worker, measured
+    from tests.fixtures.dispatch import fake_worker, measured
 
     fake_worker(monkeypatch, {"prefill": measured("prefill", "eager", PRE),
                               "decode": measured("decode", "eager", DEC)}, [])
@@ -177,7 +177,7 @@ def test_dispatch_table_with_long_names_fits_80_columns():
 
     from attnsel.cli import dispatch_table
     from attnsel.selection import PhaseChoice, build_table
-    from tests.test_dispatch import _selection, measured
+    from tests.fixtures.dispatch import _selection, measured
 
     cells = {(16, 3008, 2048): {"flashinfer_cuda_cores": 100.0, "flashinfer": 120.0},
              (1, 64, 64): {"flashinfer_cuda_cores": 10.0, "flashinfer": 9.0}}
