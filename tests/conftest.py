@@ -29,3 +29,13 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture
+def inproc_worker(monkeypatch):
+    """Validation jobs run in a thread of this process (tests/fixtures/inproc_worker.py) instead of a spawned worker:
+    for tests of what the selecting process does with the results, not of the process itself."""
+    from attnsel.validate import runner
+    from tests.fixtures.inproc_worker import InProcessWorker
+
+    monkeypatch.setattr(runner, "_Worker", InProcessWorker)
