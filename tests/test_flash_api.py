@@ -16,6 +16,9 @@ from attnsel import flash_api
 from attnsel.flash_api import UnsupportedArgument
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# The selections these calls make validate in a worker thread (tests/fixtures/inproc_worker.py): the calls are
+# under test here, not the worker process.
+pytestmark = pytest.mark.usefixtures("inproc_worker")
 
 
 @pytest.fixture(autouse=True)
