@@ -39,3 +39,15 @@ def inproc_worker(monkeypatch):
     from tests.fixtures.inproc_worker import InProcessWorker
 
     monkeypatch.setattr(runner, "_Worker", InProcessWorker)
+
+
+@pytest.fixture(params=["thread", pytest.param("process", marks=pytest.mark.slow)])
+def thread_or_process_worker(request, monkeypatch):
+    """Each test that takes this runs twice: with the worker in a thread of this process (the default run) and with
+    the spawned worker process (the slow stage)."""
+    if request.param == "thread":
+        from attnsel.validate import runner
+        from tests.fixtures.inproc_worker import InProcessWorker
+
+        monkeypatch.setattr(runner, "_Worker", InProcessWorker)
+    return request.param

@@ -151,9 +151,11 @@ def test_tolerance_comes_from_no_backend(phase, monkeypatch):
     assert case.low_err > 0 and cases.tolerance(SPEC, case.low_err) == 4 * case.low_err + cases.TOL_FLOOR["fp16"]
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_broken_torch_is_rejected_in_a_real_worker(monkeypatch):
     """A plugin named "torch" replaces the built-in: the worker rejects it in both phases (nothing is derived from
-    it) and the selection falls back to a correct backend."""
+    it) and the selection falls back to a correct backend. (A worker thread by default, a process in the slow
+    stage.)"""
     monkeypatch.setenv("ATTNSEL_BACKENDS",
                        "tests.fixtures.fault_numerics:BROKEN_TORCH,tests.fixtures.fault_numerics:TORCH_COPY")
     sel = select(SPEC, policy="priority", prefill_priority=["torch", "torch_copy"],
@@ -221,9 +223,11 @@ def test_inputs_are_restored_when_the_candidate_raises(phase):
     assert judge(TORCH, SPEC, phase, case)["status"] == "valid"
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_faults_in_a_real_worker(monkeypatch):
-    """One auto selection over the numerical faults, in a worker process, plugins loaded like a user's: each
-    rejected with its reason, torch after the input-changing candidates is valid and selected."""
+    """One auto selection over the numerical faults, in a worker (a thread by default, a process in the slow stage),
+    plugins loaded like a user's: each rejected with its reason, torch after the input-changing candidates is valid
+    and selected."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:ALL")
     sel = select(SPEC, policy="priority",
                  prefill_priority=["mutate_prefill", "top_left", "off_by_one", "mutate_then_raise", "stale_plan",
@@ -418,6 +422,7 @@ def test_run_inputs_are_passed_only_with_the_feature():
     assert judge(Legacy(), SPEC, "decode", plain)["status"] == "valid"
 
 
+@pytest.mark.usefixtures("inproc_worker")
 def test_selection_applies_the_outlier_rule(monkeypatch):
     """Wired into selection: the sloppy candidate comes first in priority and is valid on its own, yet the selection
     rejects it against torch's far smaller error and serves torch."""

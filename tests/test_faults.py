@@ -20,7 +20,6 @@ from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
 from attnsel.validate import runner
 from tests.fixtures.fault_backends import BROKEN_CONTEXT, FAULTS
-from tests.fixtures.inproc_worker import InProcessWorker
 
 TIMEOUT = 8.0
 SPEC = AttentionSpec(4, 2, 64, "fp32", page_size=4)
@@ -121,14 +120,8 @@ def test_crashes_are_cached_timeouts_are_not(faulty):
         assert (f"hang_{phase}", phase) not in cached  # a timeout may be a slow first JIT build
 
 
-# Faults whose handling is the selecting process's: the worker runs in a thread of the test process by default
-# (tests/fixtures/inproc_worker.py), in a spawned process in the slow stage.
-WORKERS = pytest.mark.parametrize("worker", ["thread", pytest.param("process", marks=pytest.mark.slow)])
-
-
-def _use(worker: str, monkeypatch) -> None:
-    if worker == "thread":
-        monkeypatch.setattr(runner, "_Worker", InProcessWorker)
+# Faults whose handling is the selecting process's take thread_or_process_worker (conftest.py): the worker runs in
+# a thread of the test process by default (tests/fixtures/inproc_worker.py), in a spawned process in the slow stage.
 
 
 @pytest.mark.slow
@@ -148,9 +141,8 @@ def test_timeouts_are_not_cached_but_crashes_are(monkeypatch):
     assert second.prefill == "torch"
 
 
-@WORKERS
-def test_rejections_are_logged(tmp_path, monkeypatch, caplog, worker):
-    _use(worker, monkeypatch)
+@pytest.mark.usefixtures("thread_or_process_worker")
+def test_rejections_are_logged(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:ALL")
     with caplog.at_level(logging.WARNING):
         sel = select(SPEC, policy="priority", prefill_priority=["raise_prefill", "torch"],
@@ -217,9 +209,8 @@ def test_case_that_cannot_be_built_twice_is_not_cached(tmp_path, monkeypatch):
     assert set(_cached()) == {("torch", "prefill")}
 
 
-@WORKERS
-def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch, worker):
-    _use(worker, monkeypatch)
+@pytest.mark.usefixtures("thread_or_process_worker")
+def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch):
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM")
     before = runner.spawn_count
     sel = select(SPEC, policy="priority", prefill_priority=["oom", "torch"], decode_priority=["torch"])
@@ -281,9 +272,8 @@ def test_a_worker_killed_from_outside_is_reported_not_cached(monkeypatch):
                                                  decode_priority=["torch"]).candidates["prefill"][:1])
 
 
-@WORKERS
-def test_out_of_memory_while_timing_is_retried_and_not_cached(monkeypatch, caplog, worker):
-    _use(worker, monkeypatch)
+@pytest.mark.usefixtures("thread_or_process_worker")
+def test_out_of_memory_while_timing_is_retried_and_not_cached(monkeypatch, caplog):
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM_TIMING")
     with caplog.at_level(logging.WARNING, logger="attnsel"):
         sel = select(SPEC, policy="measure", prefill_priority=["oom_timing", "torch"], decode_priority=["torch"])
@@ -308,11 +298,10 @@ def test_worker_that_cannot_exit_is_killed_after_done(monkeypatch):
     assert workers == []
 
 
-@WORKERS
-def test_worker_path_reports_input_mutation(monkeypatch, worker):
+@pytest.mark.usefixtures("thread_or_process_worker")
+def test_worker_path_reports_input_mutation(monkeypatch):
     """A candidate that writes into its inputs after computing its output is rejected (cases.run_case's input
     check, helper "correctness"), and the next candidate gets the case intact."""
-    _use(worker, monkeypatch)
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:MUTATE")
     sel = select(SPEC, policy="priority", prefill_priority=["mutate", "torch"], decode_priority=["mutate", "torch"])
     for phase in ("prefill", "decode"):
