@@ -18,6 +18,7 @@ def test_unknown_name_lists_valid_ones():
         backends.get("nope")
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_env_plugin_is_validated_like_a_builtin(monkeypatch):
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:WRONG_PREFILL")
     assert "wrong_prefill" in backends.names()
@@ -39,6 +40,7 @@ def test_broken_plugin_is_reported_not_hidden(monkeypatch, caplog):
     assert "backend protocol" in not_a_backend.unsupported(AttentionSpec(4, 2, 64), "prefill")
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_entry_point_plugin(tmp_path, monkeypatch):
     """A plugin installed as a distribution with an `attnsel.backends` entry point is found and validated."""
     dist = tmp_path / "attnsel_test_plugin-1.0.dist-info"

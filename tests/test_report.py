@@ -11,6 +11,8 @@ from attnsel.validate import timing
 SMALL = ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "fp16"]
 STACK = "\n".join(["Fatal Python error: Segmentation fault", "Current thread 0x7f (most recent call first):"]
                   + [f'  File "/site-packages/kernels/mod{i}.py", line {i} in launch_{i}' for i in range(38)])
+# The reports validate in a worker thread (tests/fixtures/inproc_worker.py): what is printed is under test here.
+pytestmark = pytest.mark.usefixtures("inproc_worker")
 
 
 class Unavailable:
