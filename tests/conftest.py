@@ -5,6 +5,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# One CPU thread per process (set before torch and numpy start their thread pools; the workers and subprocesses the
+# tests start inherit it; a variable already set wins): on a 2-core machine pytest's process and the workers it
+# spawns share the cores, and OpenMP's threads spin-waiting for each other made a tiny model's generate take 10 s
+# instead of 0.3 s and the Triton interpreter tests 1.5x longer.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 # Triton decides at decoration time whether to interpret: set before any kernel module is imported. CUDA machines
 # run the kernels compiled (the GPU tests), CPU machines in the interpreter.
 try:
