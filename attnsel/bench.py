@@ -29,24 +29,26 @@ from .selection import select
 from .spec import AttentionSpec
 from .validate import cases, timing
 from .validate.cases import check_output
+from .validate.grid import decode_bytes, prefill_flops, prefill_key, prefill_label, ragged_key
 from .validate.timing import probes
 
 log = logging.getLogger(__name__)
 
-# Shapes between and beyond the selection's timed buckets (timing.PREFILL_* / DECODE_*), never on them.
+# Shapes between and beyond the selection's timed buckets (validate.grid's PREFILL_* / DECODE_*), never on them.
 PREFILL_GRID = [[100], [400], [1500], [5000], [12000], [700] * 3, [300] * 10, [100] * 40,
                 [13, 3000, 777, 1500, 100, 1], [2500] + [50] * 20]
 DECODE_BATCHES = (1, 3, 12, 48, 100, 200)
 DECODE_CTX = (200, 700, 3000, 9000)
 RAGGED_DECODE = [100, 3000, 500, 9000, 20, 1500, 700, 4000]
-# more ragged batches (2026-12-06): 48 and 100 rows, where the timed ragged buckets of 32 and 128 rows disagreed
-# most with the uniform ones (H200 round 18); neither is a timed shape nor of the timed profile (log-uniform 1/16-4x)
+# ragged batches of 48 and 100 rows too: near the timed ragged buckets of 32 and 128 rows, where the ragged and the
+# uniform tables disagree most (see the results file); neither is a timed shape nor of the timed profile (log-uniform
+# 1/16-4x)
 RAGGED_DECODES = [RAGGED_DECODE, RAGGED_DECODE * 6, [50, 200, 800, 2500, 6000] * 20]
 QUICK_PREFILL = [[400], [5000], [300] * 10, [13, 3000, 777, 1500, 100, 1]]
 QUICK_DECODE = [(1, 700), (12, 3000), (100, 700), RAGGED_DECODE]
 STATIC_PRIORITY = ("fa3", "flashinfer", "triton")  # LightLLM's fixed order
 STRATEGIES = ("selected", "one_backend", "static", "repeat")  # compare()'s verdicts (repeat: with repeats > 1)
-WITHIN = 0.03  # the bench's verdict: a strategy is "within 3%" of a cell's fastest (issue 10's target)
+WITHIN = 0.03  # the bench's verdict: a strategy is "within 3%" of a cell's fastest (the dispatch's target)
 MAX_KV_BYTES = 16 << 30
 
 
@@ -65,7 +67,7 @@ class Cell:
     vs_read: float | None = None  # decode: achieved bandwidth / read-only probe
     spread: float | None = None  # (max - min) / median of the interleaved samples (the largest over the passes)
     passes: list | None = None  # with --repeats > 1: each pass's time (None: an error in that pass); us is their median
-    host_us: list | None = None  # eager on CUDA: each pass's host probe for the cell (timing.host_probe), as the
+    host_us: list | None = None  # eager on CUDA: each pass's host probe for the cell (validate.host_probe), as the
     # selection records per bucket: which passes ran on a slow host
 
 
@@ -107,7 +109,7 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
     out = []
     if phase == "prefill":
         for lens in (QUICK_PREFILL if quick else PREFILL_GRID):
-            out.append((timing.prefill_label(lens), timing.prefill_key(lens), lens, timing.prefill_flops(spec, lens)))
+            out.append((prefill_label(lens), prefill_key(lens), lens, prefill_flops(spec, lens)))
         return out
     grid = QUICK_DECODE if quick else [(b, c) for b in DECODE_BATCHES for c in DECODE_CTX] + RAGGED_DECODES
     item = torch.finfo(spec.torch_dtype).bits // 8
@@ -116,10 +118,10 @@ def shapes(spec: AttentionSpec, phase: str, quick: bool) -> list[tuple[str, tupl
             # dispatched as an engine plans it: by the mean context and the longest row (Selection.plan_decode's
             # context_tokens and longest)
             label = f"ragged {len(shape)} (max {max(shape)})"
-            key = (*timing.ragged_key(shape), max(shape))
+            key = (*ragged_key(shape), max(shape))
             work = 2 * sum(shape) * spec.num_kv_heads * spec.head_dim * item
         else:
-            label, key, work = f"{shape[0]}x{shape[1]}", shape, timing.decode_bytes(spec, *shape)
+            label, key, work = f"{shape[0]}x{shape[1]}", shape, decode_bytes(spec, *shape)
         if work <= MAX_KV_BYTES:
             out.append((label, tuple(key), shape, work))
     return out

@@ -14,20 +14,18 @@ the metadata tensors (cu_seqlens, or cache_seqlens and page_table) are the same 
 counter and the host sizes are equal, so the layers of one step share one plan. Checks that depend only on a
 call's dtypes, head shapes, options and devices run once per combination of them (a plain decode call; calls that
 write new tokens or read an fp8 cache are checked in full every time); the metadata's dtypes and shapes are checked
-when a plan is made. Rewriting metadata in a way torch does
-not count needs ``reset()``: numpy views, DLPack, ``.data`` (also one that changes a dtype: the metadata's dtypes
-are checked when a plan is made), ``untyped_storage()`` copies, Triton kernels and custom
-ops that write into them, and CUDA graph replays (a graph's writes move no version counter). Metadata tensors made
-under ``torch.inference_mode()`` have no version counter: their plans are never reused (one plan per call, logged
-once); allocate them outside inference mode to share a plan across layers.
+when a plan is made. Rewriting metadata in a way torch does not count needs ``reset()``: numpy views, DLPack,
+``.data`` (also one that changes a dtype: the metadata's dtypes are checked when a plan is made),
+``untyped_storage()`` copies, Triton kernels and custom ops that write into them, and CUDA graph replays (a graph's
+writes move no version counter). Metadata tensors made under ``torch.inference_mode()`` have no version counter:
+their plans are never reused (one plan per call, logged once); allocate them outside inference mode to share a plan
+across layers.
 
 CUDA graphs: the first call of a spec selects (outside capture). During capture every call plans afresh (a plan made
-outside the capture would replay stale device metadata) and plans get host bounds instead of device values
-(``page_table.shape[1] * page_size`` for the longest context, ``q.shape[0]`` for the tokens); the backend's plan
-itself must not sync (the torch backend's does: it is a CPU fallback).
-Plans made during capture are kept for the life of the process: a graph replays its plan's buffers (e.g. the Triton
-decode's split buffers), so they must outlive every graph (one plan per captured call: layers x graphs). FlashInfer's
-plan syncs with the host, so a FlashInfer selection cannot be captured here.
+outside the capture would replay stale device metadata) on a selection made in mode "graph" (``graph_selection``),
+from host bounds instead of device values (``page_table.shape[1] * page_size`` for the longest context, ``q.shape[0]``
+for the tokens). Plans made during capture are kept for the life of the process: a graph replays its plan's buffers
+(e.g. the Triton decode's split buffers), so they must outlive every graph (one per captured call).
 
 Decode plans take q in FA3's ``[batch, 1, H, D]`` (``Selection.plan_decode(q_layout="b1hd")``): FA3 and Triton runs
 take that layout as it comes; other backends get q viewed as ``[batch, H, D]`` and out viewed back (two views, 2-4 us
@@ -47,6 +45,7 @@ import torch
 from . import kv_append
 from .backends.support import capturing as _capturing  # module attribute: the timing script stubs it
 from .flash_masks import UnsupportedArgument, spec_masks
+from .graph_selection import GRAPH, check_may_select
 from .selection import Selection, select
 from .spec import AttentionSpec, SpecError, dtype_name
 
@@ -94,18 +93,17 @@ def reset() -> None:
     _plans.clear()
 
 
-def selection_for(spec: AttentionSpec, device: torch.device | str) -> Selection:
-    """The Selection these functions use for a spec on a device; made on first use and kept for the process."""
-    key = (spec, device)
+def selection_for(spec: AttentionSpec, device: torch.device | str, mode: str | None = None) -> Selection:
+    """The Selection for a spec on a device (mode None: the configured one; "graph": see graph_selection), kept."""
+    key = (spec, device, mode)
     sel = _selections.get(key)
     if sel is None:
         opts = {"prefill": os.environ.get(ENV_PREFILL, "auto"), "decode": os.environ.get(ENV_DECODE, "auto"),
-                **_options}
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"attnsel: the first call for {spec.describe()} happened during CUDA graph capture; "
-                               "call once outside capture first (selection runs a validation worker)")
+                **_options, **({"mode": mode} if mode else {})}
+        check_may_select(spec, mode)
         sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
-        log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
+        log.info("attnsel for %s on %s (%s): prefill: %s, decode: %s", spec.describe(), device, sel.mode,
+                 sel.prefill, sel.decode)
         _selections[key] = sel
     return sel  # keyed by the device object as given (str or torch.device): no str() per call
 
@@ -346,6 +344,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 max_seqlen_k if type(max_seqlen_k) is int else _host_int("max_seqlen_k", max_seqlen_k), qs[0], ks[0])
         slot, capturing = ("prefill", number), _capturing(q)
         run = _cached_plan(slot, cu_seqlens_q, cu_seqlens_k, host, capturing)
+        sel = selection_for(spec, q.device, GRAPH) if run is None and capturing and sel.mode != GRAPH else sel
         if run is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
             _non_tensor("flash_attn_varlen_func", ("sinks",), q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, sinks=sinks)  # numpy arrays have a shape and a dtype
@@ -457,6 +456,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         host = (append, ts[1])
         slot, capturing = ("decode", number), _capturing(q)
         plan = _cached_plan(slot, cache_seqlens, page_table, host, capturing)
+        sel = selection_for(spec, q.device, GRAPH) if plan is None and capturing and sel.mode != GRAPH else sel
         if plan is None:  # the metadata's checks: a reused plan was made from these very tensors at these versions
             _non_tensor(func, _KVCACHE_OPTIONAL, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                         cache_seqlens=cache_seqlens, page_table=page_table, k_descale=k_descale, v_descale=v_descale,

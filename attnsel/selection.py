@@ -915,8 +915,8 @@ def _usable(entry: dict, mode: str) -> bool:
 
 def _outliers(spec: AttentionSpec, errors: dict[str, float | None]) -> dict[str, str]:
     """name -> reason for the valid candidates of one phase (``errors``: name -> max abs error, None when unknown)
-    whose error is far above the best's (cases.py's cross-candidate rule)."""
-    from .validate.cases import outlier_reason
+    whose error is far above the best's (yardstick.py's cross-candidate rule)."""
+    from .validate.yardstick import outlier_reason
 
     known = {n: e for n, e in errors.items() if e is not None}
     if len(known) < 2:
@@ -926,7 +926,7 @@ def _outliers(spec: AttentionSpec, errors: dict[str, float | None]) -> dict[str,
 
 
 def _reject_outliers(spec: AttentionSpec, names: dict, found: dict) -> None:
-    """Reject a valid candidate whose error is far above the best valid candidate's on the same case (cases.py's
+    """Reject a valid candidate whose error is far above the best valid candidate's on the same case (yardstick.py's
     cross-candidate rule). Applied on every selection, never cached: it depends on which candidates ran."""
     for phase in PHASES:
         valid = {n: found[(n, phase)].max_abs_err for n in names[phase]

@@ -7,6 +7,7 @@ import torch
 
 from attnsel import AttentionSpec
 from attnsel.selection import PhaseChoice, build_table
+from attnsel.validate import grid as bucket_grid
 from attnsel.validate import timing
 from tests.fixtures.dispatch import SPEC, _selection, measured
 
@@ -16,8 +17,8 @@ def test_bench_grid_differs_from_the_timed_buckets():
 
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
     cuda = torch.device("cuda")
-    timed_pre = {timing.prefill_key(lens) for _, lens in timing.prefill_grid(spec, cuda)}
-    timed_dec = {(b, c) for _, b, c in timing.decode_grid(spec, cuda, sms=132)}
+    timed_pre = {bucket_grid.prefill_key(lens) for _, lens in bucket_grid.prefill_grid(spec, cuda)}
+    timed_dec = {(b, c) for _, b, c in bucket_grid.decode_grid(spec, cuda, sms=132)}
     pre = bench.shapes(spec, "prefill", quick=False)
     dec = bench.shapes(spec, "decode", quick=False)
     assert pre and dec and not {k for _, k, _, _ in pre} & timed_pre and not {k for _, k, _, _ in dec} & timed_dec

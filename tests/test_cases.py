@@ -12,7 +12,7 @@ from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.backends.torch_sdpa import TorchBackend
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
-from attnsel.validate import cases
+from attnsel.validate import cases, yardstick
 from tests.fixtures import fault_numerics as faults
 
 CPU = torch.device("cpu")
@@ -148,7 +148,8 @@ def test_tolerance_comes_from_no_backend(phase, monkeypatch):
     monkeypatch.undo()
     assert judge(faults.BROKEN_TORCH, SPEC, phase, case)["status"] == "rejected"
     assert judge(TORCH, SPEC, phase, case)["status"] == "valid"
-    assert case.low_err > 0 and cases.tolerance(SPEC, case.low_err) == 4 * case.low_err + cases.TOL_FLOOR["fp16"]
+    assert case.yard_err.shape == case.ref.shape[:1] and (case.yard_err > 0).any()
+    assert torch.equal(yardstick.row_tolerance(SPEC, case.yard_err), 4 * case.yard_err + yardstick.TOL_FLOOR["fp16"])
 
 
 @pytest.mark.usefixtures("thread_or_process_worker")
@@ -171,24 +172,25 @@ def test_broken_torch_is_rejected_in_a_real_worker(monkeypatch):
 
 
 def test_outlier_rule_rejects_an_error_far_above_the_best():
-    """Plain bf16 matmul/softmax with softcapped large logits is within the tolerance (it is what the tolerance is
-    derived from) but far worse than the torch backend: the cross-candidate rule rejects it."""
+    """Plain bf16 matmul/softmax with softcapped large logits is far worse than the torch backend: the rows' check
+    rejects it (when it set the tolerance, it passed), and the cross-candidate rule would too."""
     spec = AttentionSpec(4, 2, 64, "bf16", softcap=50.0)
     case = cases.make_case(spec, "prefill", CPU)
     sloppy = judge(faults.SLOPPY, spec, "prefill", case)
     good = judge(TORCH, spec, "prefill", case)
-    assert sloppy["status"] == good["status"] == "valid"
+    assert good["status"] == "valid"
+    assert sloppy["status"] == "rejected" and "exceeds tolerance" in sloppy["reason"]
     best = min(sloppy["max_abs_err"], good["max_abs_err"])
-    assert cases.outlier_reason(good["max_abs_err"], best, spec) is None
-    reason = cases.outlier_reason(sloppy["max_abs_err"], best, spec)
+    assert yardstick.outlier_reason(good["max_abs_err"], best, spec) is None
+    reason = yardstick.outlier_reason(sloppy["max_abs_err"], best, spec)
     assert reason and "far above the best candidate's" in reason
 
 
 def test_outlier_rule_keeps_errors_near_the_best():
     spec = AttentionSpec(4, 2, 64, "fp16")
-    assert cases.outlier_reason(0.0015, 0.0, spec) is None  # below the floor
-    assert cases.outlier_reason(0.01, 0.002, spec) is None
-    assert cases.outlier_reason(0.03, 0.002, spec) is not None
+    assert yardstick.outlier_reason(0.0015, 0.0, spec) is None  # below the floor
+    assert yardstick.outlier_reason(0.01, 0.002, spec) is None
+    assert yardstick.outlier_reason(0.03, 0.002, spec) is not None
 
 
 def test_output_dtype_is_checked():
@@ -261,7 +263,7 @@ def test_a_plan_that_goes_wrong_on_its_second_run_is_rejected(phase):
     result = judge(faults.STALE_PLAN, SPEC, phase, case)
     assert result["status"] == "rejected"
     assert "a second run of the same plan differs from the first" in result["reason"]
-    assert case.rerun_diff > cases.tolerance(SPEC, case.low_err)
+    assert (case.rerun_diff > yardstick.row_tolerance(SPEC, case.yard_err)).any()
     assert judge(TORCH, SPEC, phase)["status"] == "valid"
     fresh = cases.make_case(SPEC, phase, CPU)  # its first run alone is right: only the second run shows the fault
     plan = faults.STALE_PLAN.plan_prefill if phase == "prefill" else faults.STALE_PLAN.plan_decode
@@ -285,11 +287,15 @@ def test_a_plan_that_recomputes_into_one_buffer_is_valid(phase):
 
 
 def test_rerun_difference_ignores_matching_nan_and_inf():
-    a = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
-    assert cases._difference(a, a.clone()) == 0.0
-    assert cases._difference(a, torch.tensor([1.0, 0.0, float("inf"), 2.5])) == float("inf")
-    assert cases._difference(a, torch.tensor([1.0, float("nan"), float("inf"), 2.5])) == 0.5
-    assert cases._difference(a, torch.tensor([1.0, float("inf"), float("inf"), 2.0])) == float("inf")  # nan vs inf
+    a = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]])
+
+    def diff(b):
+        return cases._row_difference(a, torch.tensor(b)).tolist()
+
+    assert diff([[1.0, float("nan")], [float("inf"), 2.0]]) == [0.0, 0.0]
+    assert diff([[1.0, 0.0], [float("inf"), 2.5]]) == [float("inf"), 0.5]
+    assert diff([[1.0, float("nan")], [float("inf"), 2.5]]) == [0.0, 0.5]
+    assert diff([[1.0, float("inf")], [float("inf"), 2.0]]) == [float("inf"), 0.0]  # nan vs inf
 
 
 def test_grouped_reference_matches_a_per_head_loop():
@@ -316,9 +322,9 @@ def test_decode_table_is_much_wider_than_the_longest_sequence():
 
 @pytest.mark.parametrize("phase,shape", [("prefill", [5, 12, 1]), ("decode", (3, 9)), ("decode", [0, 7, 13])])
 def test_spot_check_passes_right_outputs_and_names_a_wrong_row(phase, shape):
-    from attnsel.validate import timing
+    from attnsel.validate import grid as bucket_grid
 
-    plan_args, sets = timing.rotated_workloads(SPEC, phase, shape, CPU)
+    plan_args, sets = bucket_grid.rotated_workloads(SPEC, phase, shape, CPU)
     plan = TORCH.plan_prefill if phase == "prefill" else TORCH.plan_decode
     out = plan(SPEC, *plan_args)(*sets[0])
     assert cases.spot_check(SPEC, phase, plan_args, sets[0], out, {}) is None
@@ -423,12 +429,28 @@ def test_run_inputs_are_passed_only_with_the_feature():
 
 
 @pytest.mark.usefixtures("inproc_worker")
-def test_selection_applies_the_outlier_rule(monkeypatch):
-    """Wired into selection: the sloppy candidate comes first in priority and is valid on its own, yet the selection
-    rejects it against torch's far smaller error and serves torch."""
+def test_selection_rejects_the_sloppy_candidate(monkeypatch):
+    """Wired into selection: the sloppy candidate comes first in priority; the selection rejects it (its own rows'
+    check; when it set the tolerance, only the outlier rule did) and serves torch."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:SLOPPY")
     spec = AttentionSpec(4, 2, 64, "bf16", softcap=50.0)
     sel = select(spec, policy="priority", prefill_priority=["sloppy", "torch"], decode="torch")
     sloppy = next(c for c in sel.candidates["prefill"] if c.name == "sloppy")
-    assert sloppy.status == "rejected" and "far above the best candidate's" in sloppy.reason
+    assert sloppy.status == "rejected" and "exceeds tolerance" in sloppy.reason
     assert sel.prefill == "torch"
+
+
+def test_selection_applies_the_outlier_rule_to_valid_candidates():
+    """The selection layer rejects a valid candidate whose error is far above the best valid one's (the rows' check
+    leaves little room for one: see attnsel/validate/yardstick.py), and only valid ones."""
+    from attnsel.selection import Candidate, _reject_outliers
+
+    spec = AttentionSpec(4, 2, 64, "bf16")
+    found = {("a", "decode"): Candidate("a", "valid", "", max_abs_err=0.002),
+             ("b", "decode"): Candidate("b", "valid", "", max_abs_err=0.05),
+             ("c", "decode"): Candidate("c", "rejected", "exceeds tolerance", max_abs_err=0.9)}
+    _reject_outliers(spec, {"prefill": [], "decode": ["a", "b", "c"]}, found)
+    a, b, c = (found[(n, "decode")] for n in "abc")
+    assert a.status == "valid"
+    assert b.status == "rejected" and "far above the best candidate's" in b.reason
+    assert c.reason == "exceeds tolerance"

@@ -7,6 +7,7 @@ import torch
 
 from attnsel import AttentionSpec, SelectionError, select
 from attnsel.selection import build_table
+from attnsel.validate import grid as bucket_grid
 from attnsel.validate import runner, timing
 from tests.fixtures.dispatch import DEC, GPU_SPEC, PRE, SPEC, fake_worker, measured
 
@@ -74,8 +75,8 @@ def test_the_real_worker_times_the_cpu_grid_interleaved():
         table = sel.dispatch[phase]
         assert table is not None and table.grid_version == timing.GRID_VERSION
         labels = [b.label for b in table.buckets]
-        assert labels == ([timing.prefill_label(l) for l in timing.CPU_PREFILL] if phase == "prefill"
-                          else [f"{b}x{c}" for b, c in timing.CPU_DECODE])
+        assert labels == ([bucket_grid.prefill_label(l) for l in bucket_grid.CPU_PREFILL] if phase == "prefill"
+                          else [f"{b}x{c}" for b, c in bucket_grid.CPU_DECODE])
         for b in table.buckets:
             assert set(b.times_us) == {"triton", "torch"} and all(v > 0 for v in b.times_us.values())
             assert set(b.spread) == {"triton", "torch"}
@@ -156,16 +157,17 @@ def test_candidates_validated_by_a_worker_that_died_are_still_timed(monkeypatch,
 
 
 def test_a_table_whose_candidate_the_outlier_rule_rejects_is_reused(monkeypatch, tmp_path):
-    """biased passes its own validation but the cross-candidate outlier rule rejects it (applied on every
-    selection, from the cached errors); the table of the others was stored under a key without biased while the
-    lookup asked with it, so every run timed again (review, 2026-12-05). Now the second run is a hit, no worker."""
+    """biased is rejected (its own rows' check now; under one tolerance per case it passed and the cross-candidate
+    outlier rule, applied on every selection from the cached errors, rejected it); the table of the others was
+    stored under a key without biased while the lookup asked with it, so every run timed again (review,
+    2026-12-05). Now the second run is a hit, no worker."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:PRECISE_AND_BIASED")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     spec = AttentionSpec(4, 2, 64, "bf16", page_size=16)
     kw = dict(budget_s=2, prefill="torch", decode_priority=["precise", "biased", "torch"])
     first = select(spec, **kw)
     biased = next(c for c in first.candidates["decode"] if c.name == "biased")
-    assert biased.status == "rejected" and "far above the best candidate's" in biased.reason
+    assert biased.status == "rejected" and "exceeds tolerance" in biased.reason
     assert first.dispatch["decode"] is not None and first.stats["spawns"] == 1
     again = select(spec, **kw)
     assert again.cache == "hit" and again.stats["spawns"] == 0
@@ -249,8 +251,8 @@ def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
 
 
 def test_no_table_is_timed_where_the_outlier_rule_leaves_one_candidate(monkeypatch, tmp_path):
-    """precise and biased both pass their own checks; the outlier rule rejects biased, leaving one candidate and
-    no table. The lookup counted two valid candidates and timed the phase on every run, for a table it then threw
+    """The outlier rule (before per-row tolerances; biased's own check now) rejects biased, leaving one candidate
+    and no table. The lookup counted two valid candidates and timed the phase on every run, for a table it then threw
     away (second review, 2026-12-05). Now a warm run applies the rule first: a hit, no worker."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:PRECISE_AND_BIASED")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))

@@ -470,6 +470,8 @@ def test_plans_made_during_capture_outlive_the_plan_cache(monkeypatch):
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     monkeypatch.setattr(flash_api, "_captured", [], raising=False)
+    real = flash_api.select  # captured calls ask for mode "graph", which needs CUDA: an eager one stands in
+    monkeypatch.setattr(flash_api, "select", lambda *a, mode="eager", **kw: real(*a, **kw))
     q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 2, 1, 8, torch.float32, seed=9)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)  # selects outside capture
     monkeypatch.setattr(flash_api, "_capturing", lambda t: True)

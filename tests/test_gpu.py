@@ -254,6 +254,7 @@ def test_decode_plan_reused_many_times_eager_and_graph(name, shape):
     several input sets, with a table exactly as wide as needed or much wider (an engine's table): every output right.
     (On the H200 the bench saw wrong FA3 graph outputs and device faults: the timing freed plans while their graphs
     were replayed, see test_timing.py::test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph.)"""
+    from attnsel.validate import grid as bucket_grid
     from attnsel.validate import timing
 
     spec = SPECS["gqa4-d128-bf16"]
@@ -263,7 +264,7 @@ def test_decode_plan_reused_many_times_eager_and_graph(name, shape):
         pytest.skip(reason)
     batch, ctx, extra = shape
     device = torch.device("cuda")
-    (page_table, seq_lens), sets = timing.rotated_workloads(spec, "decode", (batch, ctx), device)  # > 2x L2
+    (page_table, seq_lens), sets = bucket_grid.rotated_workloads(spec, "decode", (batch, ctx), device)  # > 2x L2
     if extra:
         page_table = torch.cat([page_table, torch.zeros(batch, extra, dtype=page_table.dtype, device=device)], 1)
     run = backend.plan_decode(spec, page_table, seq_lens)

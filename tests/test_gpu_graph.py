@@ -4,6 +4,7 @@ the contract). Each backend graph mode can select is checked directly, through a
 through flash_attn_with_kvcache captured; the backends that declare themselves stale under replay are refused, and
 forcing them past that declaration shows why (they compute the old batch)."""
 import math
+import os
 
 import pytest
 import torch
@@ -53,7 +54,8 @@ def test_graph_contract_check(name, phase):
     result = graph_replay.check(backend, SPEC, phase, _device())["graph_capture"]
     if graph_stale_reason(backend, phase):
         assert result.startswith("cannot serve CUDA-graph replays: ")
-        if phase == "decode" or name == "torch":  # the declaration is true: captured anyway, it replays stale data
+        # the declaration is true: captured anyway, it replays stale data (FlashInfer's costs a JIT build: opt-in)
+        if name == "torch" or (phase == "decode" and os.environ.get("ATTNSEL_GPU_FORCE_STALE") == "1"):
             forced = graph_replay.check(Forced(backend), SPEC, phase, _device())["graph_capture"]
             assert forced.startswith("wrong under CUDA graph replay"), forced
     else:

@@ -1,4 +1,4 @@
-"""The eager host probe (timing.host_probe): every eager bucket and bench cell records how fast the host launched
+"""The eager host probe (host_probe.host_probe): every eager bucket and bench cell records how fast the host launched
 work while it was timed, the report says how much of a table was timed on a slow host; and the plan allowance's
 cap (first-use compiles are not counted against the timing budget).
 
@@ -19,9 +19,10 @@ import attnsel.backends as backends_mod
 from attnsel import bench
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.cache import entry_problem
-from attnsel.cli import dispatch_table
+from attnsel.render import dispatch_table
 from attnsel.selection import DispatchTable, PhaseChoice, build_table
-from attnsel.validate import timing
+from attnsel.validate import grid as bucket_grid
+from attnsel.validate import host_probe, timing
 from tests.fixtures.dispatch import SPEC, _selection
 
 RAGGED = [100, 400, 1500, 2000]  # a ragged decode bucket's context lengths (its own sub-table)
@@ -56,7 +57,7 @@ def test_each_bucket_carries_its_host_speed_over_the_phases_reference(scripted, 
     assert calls == [shape for _, shape in GRID]  # each bucket timed once: a slow host is recorded, not re-timed
     host = {tuple(b["key"]): b["host"] for b in out["buckets"]}
     assert host == {(1, 256): pytest.approx(1.1), (4, 256): pytest.approx(1.4), (16, 256): pytest.approx(1.04),
-                    timing.ragged_key(RAGGED): 1.0, (6, 256): pytest.approx(1.3)}
+                    bucket_grid.ragged_key(RAGGED): 1.0, (6, 256): pytest.approx(1.3)}
     table = build_table(out, ["flashinfer", "triton"])
     assert {b.label: b.host for b in table.buckets}["4x256"] == pytest.approx(1.4)
     assert [b.host for b in table.ragged.buckets] == [1.0]
@@ -84,9 +85,9 @@ def test_one_lucky_bucket_does_not_make_the_rest_slow(scripted):
     host = {tuple(b["key"]): b["host"] for b in out["buckets"]}
     reference = 5.02  # the second least of 12: index (12 - 1) // 10
     assert host[(2, 256)] == 1.0 and host[(1, 256)] == pytest.approx(4.0 / reference)
-    assert [k for k, h in host.items() if h >= timing.HOST_SLOW] == [(12, 256)]
-    assert timing.host_reference([]) is None and timing.host_reference([3.0, 2.0]) == 2.0
-    assert timing.host_reference([float(x) for x in range(100, 0, -1)]) == 10.0
+    assert [k for k, h in host.items() if h >= host_probe.HOST_SLOW] == [(12, 256)]
+    assert host_probe.host_reference([]) is None and host_probe.host_reference([3.0, 2.0]) == 2.0
+    assert host_probe.host_reference([float(x) for x in range(100, 0, -1)]) == 10.0
 
 
 def test_no_probe_no_host_speed_and_no_report_line(scripted):
@@ -131,12 +132,12 @@ def test_graph_replays_are_not_probed(monkeypatch):
 
 
 def test_host_probe_is_cuda_only():
-    assert timing.host_probe(torch.device("cpu")) is None
+    assert host_probe.host_probe(torch.device("cpu")) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_host_probe_times_a_launch_on_the_gpu():
-    seconds = timing.host_probe(torch.device("cuda"))
+    seconds = host_probe.host_probe(torch.device("cuda"))
     assert 1e-7 < seconds < 1e-3
 
 
@@ -233,7 +234,8 @@ def test_a_phase_timed_again_in_a_fresh_worker_gets_its_share_and_the_timeout_ca
                 times = {"torch": 10.0} if len(calls) == 1 else {"torch": 10.0, "triton": 5.0}
                 out[(name, phase)] = {"status": "timed", "reason": "", "time_s": 1.0, "measured": {
                     "phase": phase, "mode": "eager", "grid_version": timing.GRID_VERSION,
-                    "axes": list(timing.PREFILL_AXES if phase == "prefill" else timing.DECODE_AXES), "reps": 3,
+                    "axes": list(bucket_grid.PREFILL_AXES if phase == "prefill" else bucket_grid.DECODE_AXES),
+                    "reps": 3,
                     "buckets": [{"key": [1, 16, 16] if phase == "prefill" else [1, 32], "label": "b", "us": times,
                                  "spread": {}, "errors": {}}], "skipped": [], "wall_s": 1.0}}
             else:

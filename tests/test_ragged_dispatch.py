@@ -1,5 +1,5 @@
 """Ragged decode buckets (issue 10, H200 round 17): an eager decode table keeps a sub-table timed on batches of one
-long row among short ones, and a batch whose longest row is at least timing.RAGGED_SKEW times its mean context is
+long row among short ones, and a batch whose longest row is at least bucket_grid.RAGGED_SKEW times its mean context is
 served from it. The grid, the routing from host sizes, the cache and JSON round trips, the report. No GPU: timings
 are made by hand."""
 import dataclasses
@@ -13,6 +13,7 @@ from attnsel import select
 from attnsel.cache import entry_problem
 from attnsel.selection import DispatchTable, PhaseChoice, build_table
 from attnsel.spec import AttentionSpec
+from attnsel.validate import grid as bucket_grid
 from attnsel.validate import timing
 from tests.fixtures.dispatch import PRE, SPEC, Recorder, _selection, fake_worker, measured
 
@@ -36,28 +37,28 @@ def with_ragged(mode="eager", uniform=UNIFORM, ragged=RAGGED):
 @pytest.mark.parametrize("batch", [4, 5, 8, 32, 128])
 @pytest.mark.parametrize("mean", [1024, 4096])
 def test_ragged_timing_batches_have_their_mean_and_one_long_row(batch, mean):
-    lens = timing.ragged_decode_lens(batch, mean)
+    lens = bucket_grid.ragged_decode_lens(batch, mean)
     assert len(lens) == batch and all(n >= 1 for n in lens)
-    assert timing.ragged_key(lens) == (batch, mean) and sum(lens) == batch * mean
-    assert max(lens) >= timing.RAGGED_SKEW * sum(lens) / batch  # the lookup takes it for a ragged batch
+    assert bucket_grid.ragged_key(lens) == (batch, mean) and sum(lens) == batch * mean
+    assert max(lens) >= bucket_grid.RAGGED_SKEW * sum(lens) / batch  # the lookup takes it for a ragged batch
     assert min(lens) <= mean / 8  # short rows too, not two halves
     assert batch < 3 or lens != sorted(lens)  # rows in a fixed shuffled order
-    assert lens == timing.ragged_decode_lens(batch, mean)
+    assert lens == bucket_grid.ragged_decode_lens(batch, mean)
 
 
 def test_ragged_buckets_are_timed_in_eager_mode_on_a_gpu_only():
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
     cuda = torch.device("cuda")  # the grids read no device (no GPU needed)
-    grid = timing.ragged_decode_grid(spec, cuda)
-    assert len(grid) == len(timing.RAGGED_DECODE_BATCHES) * len(timing.RAGGED_DECODE_MEANS)
+    grid = bucket_grid.ragged_decode_grid(spec, cuda)
+    assert len(grid) == len(bucket_grid.RAGGED_DECODE_BATCHES) * len(bucket_grid.RAGGED_DECODE_MEANS)
     assert all(lvl == 0 for lvl, _ in grid)
-    assert {timing.ragged_key(lens) for _, lens in grid} == {
-        (b, m) for b in timing.RAGGED_DECODE_BATCHES for m in timing.RAGGED_DECODE_MEANS}
-    assert timing.ragged_decode_grid(spec, cuda, mode="graph") == []
-    assert timing.ragged_decode_grid(spec, torch.device("cpu")) == []
+    assert {bucket_grid.ragged_key(lens) for _, lens in grid} == {
+        (b, m) for b in bucket_grid.RAGGED_DECODE_BATCHES for m in bucket_grid.RAGGED_DECODE_MEANS}
+    assert bucket_grid.ragged_decode_grid(spec, cuda, mode="graph") == []
+    assert bucket_grid.ragged_decode_grid(spec, torch.device("cpu")) == []
     # the caps of the uniform grid: 128 rows x 4096 on average is 1 GiB of KV here; a sixth of 3 GiB free leaves it out
-    small = timing.ragged_decode_grid(spec, cuda, free_bytes=3 << 30)
-    assert all(timing.decode_bytes(spec, 1, sum(lens)) <= (3 << 30) // 6 for _, lens in small)
+    small = bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=3 << 30)
+    assert all(bucket_grid.decode_bytes(spec, 1, sum(lens)) <= (3 << 30) // 6 for _, lens in small)
     assert len(small) < len(grid)
 
 
@@ -76,13 +77,13 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
     waves = {17, 34, 49, 50}  # 32/8 on 132 SMs (tests/test_timing.py::test_wave_batches_bracket_...)
     out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "eager")
     # a grid built without the SM count would drop them unnoticed (the review's surviving mutation, grid version 8)
-    assert {s[0] for s in seen if isinstance(s, tuple)} == set(timing.DECODE_BATCHES) | waves
-    coarse = sum(1 for lvl, _, _ in timing.decode_grid(spec, torch.device("cuda")) if lvl == 0)
-    ragged = [lens for _, lens in timing.ragged_decode_grid(spec, torch.device("cuda"))]
+    assert {s[0] for s in seen if isinstance(s, tuple)} == set(bucket_grid.DECODE_BATCHES) | waves
+    coarse = sum(1 for lvl, _, _ in bucket_grid.decode_grid(spec, torch.device("cuda")) if lvl == 0)
+    ragged = [lens for _, lens in bucket_grid.ragged_decode_grid(spec, torch.device("cuda"))]
     assert seen[coarse:coarse + len(ragged)] == ragged
     assert all(isinstance(s, tuple) for s in seen[:coarse] + seen[coarse + len(ragged):])
     flagged = [b for b in out["buckets"] if b.get("ragged")]
-    assert [b["key"] for b in flagged] == [list(timing.ragged_key(lens)) for lens in ragged]
+    assert [b["key"] for b in flagged] == [list(bucket_grid.ragged_key(lens)) for lens in ragged]
     assert flagged[0]["label"] == f"ragged 4 (mean 1024, max {max(ragged[0])})"
     table = build_table(out, ["a", "b"])
     assert table.ragged is not None and len(table.ragged.buckets) == len(ragged)
@@ -90,7 +91,7 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
     seen.clear()  # graph mode: no ragged buckets (a graph is keyed by its batch size alone)
     out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "graph")
     assert all(isinstance(s, tuple) for s in seen) and not any(b.get("ragged") for b in out["buckets"])
-    assert {s[0] for s in seen} == set(timing.DECODE_BATCHES) | waves
+    assert {s[0] for s in seen} == set(bucket_grid.DECODE_BATCHES) | waves
 
 
 def test_a_ragged_batch_is_served_by_the_ragged_buckets():
@@ -219,7 +220,7 @@ def test_the_flash_api_plans_with_the_exact_longest_row(monkeypatch, tmp_path, a
 def test_report_lists_the_ragged_buckets(monkeypatch):
     from rich.console import Console
 
-    from attnsel.cli import dispatch_table
+    from attnsel.render import dispatch_table
 
     table = build_table(with_ragged(), ["a", "b"])
     console = Console(width=200, record=True)
@@ -247,11 +248,11 @@ def test_the_bench_judges_its_ragged_cell_as_an_engine_plans_it():
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
     cells = [s for s in bench.shapes(spec, "decode", quick=False) if s[0].startswith("ragged")]
     assert [len(shape) for _, _, shape, _ in cells] == [8, 48, 100]
-    timed = {timing.ragged_key(lens) for _, lens in timing.ragged_decode_grid(spec, torch.device("cuda"))}
+    timed = {bucket_grid.ragged_key(lens) for _, lens in bucket_grid.ragged_decode_grid(spec, torch.device("cuda"))}
     for label, key, shape, _ in cells:
         assert key == (len(shape), -(-sum(shape) // len(shape)), max(shape))  # batch, mean context, longest row
         assert key[:2] not in timed  # judged on ragged batches the selection did not time
-        assert max(shape) >= timing.RAGGED_SKEW * key[1]
+        assert max(shape) >= bucket_grid.RAGGED_SKEW * key[1]
     label, key, shape, _ = cells[0]
     sel = _selection({"decode": PhaseChoice("a", "auto", [], build_table(with_ragged(), ["a", "b"]))})
     row = [bench.Cell({}, "decode", label, "eager", n, us, 1.0, vs_best=us / 20.0) for n, us in (("a", 30.0),

@@ -177,7 +177,7 @@ def test_a_wrapped_reason_continues_under_itself_not_under_the_names(capsys, mon
 def test_dispatch_table_with_long_names_fits_80_columns():
     from rich.console import Console
 
-    from attnsel.cli import dispatch_table
+    from attnsel.render import dispatch_table
     from attnsel.selection import PhaseChoice, build_table
     from tests.fixtures.dispatch import _selection, measured
 

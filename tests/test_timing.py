@@ -13,6 +13,7 @@ import attnsel.backends as backends_mod
 from attnsel import AttentionSpec
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.selection import DispatchTable, PhaseChoice, build_table
+from attnsel.validate import grid as bucket_grid
 from attnsel.validate import runner, timing
 from tests.fixtures.dispatch import SPEC, _selection
 
@@ -20,39 +21,39 @@ from tests.fixtures.dispatch import SPEC, _selection
 @pytest.mark.parametrize("heads", [(32, 8), (8, 1), (28, 4)])
 def test_every_timed_bucket_rotates_more_than_twice_the_l2(monkeypatch, heads):
     """Rotation covers the H200's 50 MB L2 twice over for every bucket of the real (GPU) grids."""
-    monkeypatch.setattr(timing, "l2_bytes", lambda device: 50 << 20)
+    monkeypatch.setattr(bucket_grid, "l2_bytes", lambda device: 50 << 20)
     spec = AttentionSpec(*heads, 128, "bf16", 16)
     cuda = torch.device("cuda")  # only its type is read: nothing is allocated
     item = 2
-    for _, b, c in timing.decode_grid(spec, cuda, sms=132):
+    for _, b, c in bucket_grid.decode_grid(spec, cuda, sms=132):
         kv_set = 2 * b * math.ceil(c / 16) * 16 * spec.num_kv_heads * 128 * item + b * spec.num_q_heads * 128 * item
-        assert timing.num_sets(kv_set, cuda) * kv_set >= 2 * (50 << 20), (b, c)
-    for _, lens in timing.prefill_grid(spec, cuda):
+        assert bucket_grid.num_sets(kv_set, cuda) * kv_set >= 2 * (50 << 20), (b, c)
+    for _, lens in bucket_grid.prefill_grid(spec, cuda):
         t = sum(lens)
         qkv = t * (spec.num_q_heads + 2 * spec.num_kv_heads) * 128 * item
-        assert timing.num_sets(qkv, cuda) * qkv >= 2 * (50 << 20), lens
+        assert bucket_grid.num_sets(qkv, cuda) * qkv >= 2 * (50 << 20), lens
 
 
 def test_grids_are_coarse_first_and_within_the_caps():
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
     cuda = torch.device("cuda")
-    dec = timing.decode_grid(spec, cuda)
+    dec = bucket_grid.decode_grid(spec, cuda)
     levels = [lvl for lvl, _, _ in dec]
     assert levels == sorted(levels) and levels[0] == 0
     coarse = {(b, c) for lvl, b, c in dec if lvl == 0}
-    first, last = timing.DECODE_CTX[0], timing.DECODE_CTX[-1]
+    first, last = bucket_grid.DECODE_CTX[0], bucket_grid.DECODE_CTX[-1]
     assert (1, first) in coarse and (256, first) in coarse and (1, last) in coarse  # both ends of every axis
-    assert timing.DECODE_CTX == (288, 544, 1056, 2080, 4128, 8224, 16416)  # half a 64-token tile past a power of 2
+    assert bucket_grid.DECODE_CTX == (288, 544, 1056, 2080, 4128, 8224, 16416)  # half a 64-token tile past a power of 2
     assert {c for lvl, _, c in dec if lvl == 0} == {288, 1056, 4128, 16416}  # every other one and both ends
-    base = dict(zip(timing.DECODE_CTX, timing.DECODE_CTX_POW2))  # the cap goes by the power of two below
-    assert all(timing.decode_bytes(spec, b, base[c]) <= timing.MAX_DECODE_KV_BYTES for _, b, c in dec)
+    base = dict(zip(bucket_grid.DECODE_CTX, bucket_grid.DECODE_CTX_POW2))  # the cap goes by the power of two below
+    assert all(bucket_grid.decode_bytes(spec, b, base[c]) <= bucket_grid.MAX_DECODE_KV_BYTES for _, b, c in dec)
     # every bucket the power-of-two grid had under the cap is there, 32 tokens on (the review found 64 x 16384,
     # 128 x 8192 and 256 x 4096 pushed over the 4 GiB cap by the half tile)
-    pow2 = {(b, p) for b in timing.DECODE_BATCHES for p in timing.DECODE_CTX_POW2
-            if timing.decode_bytes(spec, b, p) <= timing.MAX_DECODE_KV_BYTES}
-    assert {(b, c - timing.DECODE_TILE_TAIL) for _, b, c in dec} == pow2
+    pow2 = {(b, p) for b in bucket_grid.DECODE_BATCHES for p in bucket_grid.DECODE_CTX_POW2
+            if bucket_grid.decode_bytes(spec, b, p) <= bucket_grid.MAX_DECODE_KV_BYTES}
+    assert {(b, c - bucket_grid.DECODE_TILE_TAIL) for _, b, c in dec} == pow2
     assert {(64, 16416), (128, 8224), (256, 4128)} <= {(b, c) for _, b, c in dec}
-    assert all(sum(lens) <= timing.MAX_PREFILL_TOKENS for _, lens in timing.prefill_grid(spec, cuda))
+    assert all(sum(lens) <= bucket_grid.MAX_PREFILL_TOKENS for _, lens in bucket_grid.prefill_grid(spec, cuda))
 
 
 class Logged:
@@ -69,7 +70,7 @@ class Logged:
 
 
 def test_candidates_are_interleaved_and_rotate_the_input_sets(monkeypatch):
-    monkeypatch.setattr(timing, "num_sets", lambda nbytes, device: 3)
+    monkeypatch.setattr(bucket_grid, "num_sets", lambda nbytes, device: 3)
     Logged.calls.clear()
     cands = {"a": Logged("a"), "b": Logged("b"), "c": Logged("c")}
     out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=3)
@@ -112,7 +113,7 @@ def test_a_candidate_fast_and_wrong_when_timed_gets_no_time(phase, shape, mode, 
 
     if mode == "graph":
         monkeypatch.setattr(timing, "capture", lambda run, sets, device: (lambda g: (g, g.outs))(ReplayLoop(run, sets)))
-    monkeypatch.setattr(timing, "num_sets", lambda nbytes, device: 3)
+    monkeypatch.setattr(bucket_grid, "num_sets", lambda nbytes, device: 3)
     cands = {"torch": TORCH, "stale_when_timed": faults.STALE_WHEN_TIMED, "skip_work": faults.SKIP_WORK,
              "one_buffer": faults.ONE_BUFFER}
     out = timing.time_bucket(cands, SPEC, phase, shape, torch.device("cpu"), mode, reps=2)
@@ -147,7 +148,7 @@ def test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph(monkeypatch):
             refs.append(weakref.ref(run))
             return run
 
-    plan_args, sets = timing.rotated_workloads(SPEC, "decode", (2, 32), torch.device("cpu"))
+    plan_args, sets = bucket_grid.rotated_workloads(SPEC, "decode", (2, 32), torch.device("cpu"))
     item = timing._prepare(Tracked(), SPEC, "decode", plan_args, sets, "graph", torch.device("cpu"))
     gc.collect()
     assert refs[0]() is not None, "the plan died while its graph can still be replayed"
@@ -160,10 +161,10 @@ def test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph(monkeypatch):
 def test_decode_grid_shrinks_with_free_memory():
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
     cuda = torch.device("cuda")
-    full = timing.decode_grid(spec, cuda)
-    small = timing.decode_grid(spec, cuda, free_bytes=6 << 30)  # 6 GiB free: KV sets of at most 1 GiB
+    full = bucket_grid.decode_grid(spec, cuda)
+    small = bucket_grid.decode_grid(spec, cuda, free_bytes=6 << 30)  # 6 GiB free: KV sets of at most 1 GiB
     assert len(small) < len(full)
-    assert all(timing.decode_bytes(spec, b, c - timing.DECODE_TILE_TAIL) <= 1 << 30 for _, b, c in small)
+    assert all(bucket_grid.decode_bytes(spec, b, c - bucket_grid.DECODE_TILE_TAIL) <= 1 << 30 for _, b, c in small)
     assert {(b, c) for _, b, c in small} <= {(b, c) for _, b, c in full}
 
 
@@ -217,17 +218,18 @@ def test_first_use_compiles_do_not_eat_the_timing_budget(monkeypatch):
 
 
 def test_sqrt2_steps_are_the_finest_level():
-    assert timing._level(72, timing.PREFILL_LENS) == 0 and timing._level(18432, timing.PREFILL_LENS) == 0
-    assert timing._level(144, timing.PREFILL_LENS) == 1
-    assert all(timing._level(v, timing.PREFILL_LENS) == 2 for v in (102, 204, 13033))
-    assert [timing._level(b, timing.DECODE_BATCHES) for b in (1, 2, 3, 4, 6, 256)] == [0, 1, 2, 0, 2, 0]
+    lens = bucket_grid.PREFILL_LENS
+    assert bucket_grid._level(72, lens) == 0 and bucket_grid._level(18432, lens) == 0
+    assert bucket_grid._level(144, bucket_grid.PREFILL_LENS) == 1
+    assert all(bucket_grid._level(v, bucket_grid.PREFILL_LENS) == 2 for v in (102, 204, 13033))
+    assert [bucket_grid._level(b, bucket_grid.DECODE_BATCHES) for b in (1, 2, 3, 4, 6, 256)] == [0, 1, 2, 0, 2, 0]
     cuda = torch.device("cuda")
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
-    graph = timing.decode_grid(spec, cuda, mode="graph")
-    assert {c for _, _, c in graph} == set(timing.GRAPH_DECODE_CTX)
-    assert {b for _, b, _ in graph} == set(timing.DECODE_BATCHES)
+    graph = bucket_grid.decode_grid(spec, cuda, mode="graph")
+    assert {c for _, _, c in graph} == set(bucket_grid.GRAPH_DECODE_CTX)
+    assert {b for _, b, _ in graph} == set(bucket_grid.DECODE_BATCHES)
     # every value between powers of two lies within a factor 1.5 of its neighbours
-    for values in (timing.PREFILL_LENS, timing.DECODE_BATCHES[1:]):
+    for values in (bucket_grid.PREFILL_LENS, bucket_grid.DECODE_BATCHES[1:]):
         assert all(1.3 < b / a <= 1.5 for a, b in zip(values, values[1:])), values
 
 
@@ -262,7 +264,7 @@ def test_measure_prunes_after_the_coarse_grid_and_the_table_reports_it(monkeypat
     table = build_table(out, ["fast", "close", "slow"])
     assert table.pruned == (("slow", 4.0),) and table.backend_for((3, 16)) == "fast"
     assert DispatchTable.from_json(json.loads(json.dumps(table.to_json()))) == table
-    from attnsel.cli import dispatch_table
+    from attnsel.render import dispatch_table
     from rich.console import Console
     console = Console(width=200, record=True)
     console.print(dispatch_table(_selection({"decode": PhaseChoice("fast", "auto", [], table)}), "decode", 200))
@@ -306,7 +308,7 @@ def test_the_worker_hands_unspent_timing_budget_to_the_next_phase(monkeypatch):
 
 def test_a_budget_cut_leaves_gaps_spread_over_the_level():
     grid = [(2, b) for b in range(10)] + [(0, "a"), (1, "b")]
-    ordered = timing._coarse_first(grid)
+    ordered = bucket_grid._coarse_first(grid)
     assert [x for _, x in ordered[:2]] == ["a", "b"]
     finest = [x for _, x in ordered[2:]]
     assert sorted(finest) == list(range(10))
@@ -317,7 +319,7 @@ def test_a_graph_budget_cut_leaves_out_whole_batch_sizes():
     """Graph mode scores a batch size by its geometric mean over contexts; a budget cut must not leave some batch
     sizes timed at context 256 only (the review found a flat bit-reversed order doing that)."""
     cuda = torch.device("cuda")
-    grid = timing.decode_grid(AttentionSpec(32, 8, 128, "bf16", 16), cuda, mode="graph", sms=132)
+    grid = bucket_grid.decode_grid(AttentionSpec(32, 8, 128, "bf16", 16), cuda, mode="graph", sms=132)
     for cut in range(1, len(grid)):
         per_batch: dict = {}
         for _, b, c in grid[:cut]:
@@ -363,22 +365,22 @@ def test_wave_batches_bracket_the_first_three_wave_edges():
     """132 SMs (H100, H200): one block per (row, KV head) fills k rounds up to k x 132 / kv_heads rows."""
     h = lambda q, kv: AttentionSpec(q, kv, 128, "bf16", 16)
     # 28/4: edges at 33, 66, 99 rows; 32 and 64 already have 1 and 2 rounds, 91 is more than 5% below 99
-    assert timing.wave_batches(h(28, 4), 132) == [34, 67, 99, 100]
-    assert timing.wave_batches(h(32, 8), 132) == [17, 34, 49, 50]  # edges 16.5, 33, 49.5
-    assert timing.wave_batches(h(8, 1), 132) == [133]  # 264 is past the grid's 256 rows
-    assert timing.wave_batches(h(32, 8), None) == [] and timing.wave_batches(h(32, 8), 0) == []
+    assert bucket_grid.wave_batches(h(28, 4), 132) == [34, 67, 99, 100]
+    assert bucket_grid.wave_batches(h(32, 8), 132) == [17, 34, 49, 50]  # edges 16.5, 33, 49.5
+    assert bucket_grid.wave_batches(h(8, 1), 132) == [133]  # 264 is past the grid's 256 rows
+    assert bucket_grid.wave_batches(h(32, 8), None) == [] and bucket_grid.wave_batches(h(32, 8), 0) == []
     for heads in ((32, 8), (28, 4), (8, 1), (32, 32), (16, 2), (64, 8)):
         for sms in (78, 108, 114, 132, 170):
             spec = h(*heads)
-            waves = timing.wave_batches(spec, sms)
-            assert not set(waves) & set(timing.DECODE_BATCHES) and waves == sorted(set(waves))
-            assert all(1 <= b <= timing.DECODE_BATCHES[-1] for b in waves)
-            for k in range(1, timing.WAVE_EDGES + 1):  # a timed value on each side of each edge
+            waves = bucket_grid.wave_batches(spec, sms)
+            assert not set(waves) & set(bucket_grid.DECODE_BATCHES) and waves == sorted(set(waves))
+            assert all(1 <= b <= bucket_grid.DECODE_BATCHES[-1] for b in waves)
+            for k in range(1, bucket_grid.WAVE_EDGES + 1):  # a timed value on each side of each edge
                 edge = k * sms / spec.num_kv_heads
-                if math.floor(edge) + 1 > timing.DECODE_BATCHES[-1]:
+                if math.floor(edge) + 1 > bucket_grid.DECODE_BATCHES[-1]:
                     break
                 rounds = lambda b: math.ceil(b * spec.num_kv_heads / sms)
-                values = sorted(set(timing.DECODE_BATCHES) | set(waves))
+                values = sorted(set(bucket_grid.DECODE_BATCHES) | set(waves))
                 below = max(v for v in values if v <= edge)
                 above = min(v for v in values if v > edge)
                 assert rounds(below) == k and rounds(above) == k + 1, (heads, sms, k, below, above)
@@ -388,16 +390,17 @@ def test_wave_batches_bracket_the_first_three_wave_edges():
 def test_wave_batches_join_the_decode_grids_at_the_finest_level():
     cuda = torch.device("cuda")  # only its type is read
     spec = AttentionSpec(28, 4, 128, "bf16", 16)
-    for mode, contexts, bases in (("eager", timing.DECODE_CTX, timing.DECODE_CTX_POW2),
-                                  ("graph", timing.GRAPH_DECODE_CTX, timing.GRAPH_DECODE_CTX)):
-        plain = timing.decode_grid(spec, cuda, mode=mode)
-        grid = timing.decode_grid(spec, cuda, mode=mode, sms=132)
-        added = [(lvl, b, c) for lvl, b, c in grid if b not in timing.DECODE_BATCHES]
+    for mode, contexts, bases in (("eager", bucket_grid.DECODE_CTX, bucket_grid.DECODE_CTX_POW2),
+                                  ("graph", bucket_grid.GRAPH_DECODE_CTX, bucket_grid.GRAPH_DECODE_CTX)):
+        plain = bucket_grid.decode_grid(spec, cuda, mode=mode)
+        grid = bucket_grid.decode_grid(spec, cuda, mode=mode, sms=132)
+        added = [(lvl, b, c) for lvl, b, c in grid if b not in bucket_grid.DECODE_BATCHES]
         assert {b for _, b, _ in added} == {34, 67, 99, 100}
         assert all(lvl == 2 for lvl, _, _ in added)
+        cap = bucket_grid.MAX_DECODE_KV_BYTES
         assert {(b, c) for _, b, c in added} == {(b, c) for b in (34, 67, 99, 100) for c, p in zip(contexts, bases)
-                                                  if timing.decode_bytes(spec, b, p) <= timing.MAX_DECODE_KV_BYTES}
-        assert sorted(x for x in grid if x[1] in timing.DECODE_BATCHES) == sorted(plain)  # the rest unchanged
+                                                  if bucket_grid.decode_bytes(spec, b, p) <= cap}
+        assert sorted(x for x in grid if x[1] in bucket_grid.DECODE_BATCHES) == sorted(plain)  # the rest unchanged
         assert [x for x in grid if x[0] < 2] == [x for x in plain if x[0] < 2]  # coarser levels first, in order
         levels = [lvl for lvl, _, _ in grid]
         assert levels == sorted(levels)

@@ -268,7 +268,8 @@ def test_torch_decode_speed_vs_the_old_decode(batch, ctx, window, capsys):
     import json
     import os
 
-    from attnsel.validate.timing import bench, make_decode_workload
+    from attnsel.validate.grid import make_decode_workload
+    from attnsel.validate.timing import bench
     from tests.fixtures.fault_numerics import old_torch_plan_decode
 
     device = torch.device("cuda")

@@ -5,9 +5,9 @@ cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k, max_seqlen_q
 kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale,
 is_causal, window_size_left, window_size_right, attention_chunk, softcap, is_rotary_interleaved,
 scheduler_metadata, num_splits, pack_gqa, sm_margin, sinks): the Python wrappers add a ``torch.library.custom_op``
-layer that costs 37-45 us (decode) and 140-145 us (varlen prefill) more host time per call than the raw op on the
-H200 machine (bench/results/2026-12-04-round7), more than a small decode's kernel. Decode
-passes no precomputed scheduling metadata (mutable state shared by every run of a plan); each run prepares its own.
+layer that costs tens of microseconds (decode) to over a hundred (varlen prefill) more host time per call than the
+raw op (see the results file), more than a small decode's kernel. Decode passes no precomputed scheduling metadata
+(mutable state shared by every run of a plan); each run prepares its own.
 
 Features: sliding window as ``window_size=(w - 1, 0)``; sinks (the op takes them as bfloat16 ``[num_q_heads]``);
 softcap only where the build has it (tokenspeed-fa3 3.0.0 is built with FLASHATTENTION_DISABLE_SOFTCAP); an fp8

@@ -8,10 +8,9 @@ CUDA-graph capture (it then masks on every run). k_scale folds into the score sc
 both as device tensors (no host read). Sliding window (``window_left = w - 1``) and sinks (per query head,
 natural-log logits, given to XQA per KV head and group) are XQA's own; it has no logit softcap. An fp8 cache is
 declined on Hopper: FlashInfer 0.6.4's sm90 fp8 kernel reads the unused slots of a sequence's last page (NaN there
-gives NaN rows) and quantises the queries to fp8 (errors 0.054-0.10 against tolerances of 0.042-0.066 with those
-slots zeroed; H200, bench/results/2026-12-04-round9). XQA splits every sequence into
-max(1, SMs / (batch x kv_heads)) parts whatever its length, so a ragged batch (one long row among short ones) runs
-its long row on few parts (1.85x slower than Triton there on the H200).
+gives NaN rows) and quantises the queries to fp8 (errors over the tolerance even with those slots zeroed; see the
+results file). XQA splits every sequence into max(1, SMs / (batch x kv_heads)) parts whatever its length, so a ragged
+batch (one long row among short ones) runs its long row on few parts (far slower than Triton there).
 
 Limits (FlashInfer 0.6.4, flashinfer/jit/xqa.py): q fp16 or bf16; page size 16, 32, 64 or 128; head_dim a multiple
 of 16 up to 256; compute capability 9.x, 10.x or 12.x. Its workspace holds semaphores that must start at zero and a
@@ -19,8 +18,7 @@ scratch area for split-K partial results: one zeroed buffer per device (ATTNSEL_
 128, at least 16 here: XQA keeps its first 8 MiB for semaphores), separate from the wrappers' workspace, made outside
 CUDA-graph capture (zeros recorded in a graph would only be written at its first replay); runs go on one stream (as
 the FlashInfer wrappers' do). Each
-(dtype, cache dtype, page size, head_dim, group size, window or not) is its own JIT module (its GPU tests, build
-included, took 14-15 s each on the H200).
+(dtype, cache dtype, page size, head_dim, group size, window or not) is its own JIT module (seconds to build each).
 """
 from __future__ import annotations
 
@@ -39,7 +37,7 @@ from .support import (capability_reason, capturing, dtype_reason, feature_reason
 PAGE_SIZES = (16, 32, 64, 128)
 MIN_WORKSPACE = 16 << 20  # XQA reserves the first 8 MiB for semaphores; the rest holds split-K partial results
 FP8_WHY = ("FlashInfer's sm90 fp8 XQA kernel reads the unused slots of a sequence's last page and quantises q: NaN "
-           "rows and errors over tolerance on the H200, bench/results/2026-12-04-round9")
+           "rows and errors over tolerance")
 
 
 _workspaces: dict[tuple[str, int], torch.Tensor] = {}
@@ -80,7 +78,7 @@ def _is_hopper(device: torch.device | None) -> bool:
 
 class XQABackend:
     name = "flashinfer_xqa"
-    first_use_note = "first use JIT-compiles FlashInfer's XQA kernels (seconds per configuration on the H200)"
+    first_use_note = "first use JIT-compiles FlashInfer's XQA kernels (seconds per configuration)"
 
     def version(self) -> str | None:
         return package_version("flashinfer-python")

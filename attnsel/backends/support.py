@@ -99,7 +99,7 @@ def rows_without_keys(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) ->
     """Causal (bottom-right aligned) ragged attention: the query rows that see no key, as int64 row indices on the
     metadata's device, or None where there are none (the common case). A sequence with lq queries and lk < lq keys
     leaves its first lq - lk queries before every key; FlashAttention returns zeros there, FlashInfer's prefill
-    does not (H100, 2026-12-05: tests/test_flash_api.py::test_varlen_with_more_queries_than_keys), so its run
+    does not (tests/test_flash_api.py::test_varlen_with_more_queries_than_keys, on a GPU), so its run
     zeroes these rows. Reads both offsets on the host: a sync of its own (a small one, one copy of 2 x (batch + 1)
     ints), so call it only in a plan that may sync (FlashInfer's plan syncs for its own host copies too), never
     during capture. cu_seqlens_q/k: int32 [batch + 1]."""

@@ -4,9 +4,9 @@
 Those versions accept only ``sdpa``, ``paged|eager``, names containing "flash", or Hub kernels for
 ``generate_batch`` (custom ``paged|X`` names are refused; 5.18 switches a flash-named model to ``"paged|<name>"``
 and accepts it where registered: there ``register()`` also registers ``"paged|attnsel_flash"`` to transformers' own
-paged flash forward). The Hub-kernel route needs the ``kernels`` package at
-0.18.2 to < 0.19 (5.24's bound; 5.25 pins kernels >= 0.19.1), which PyPI did not offer on 2026-12-03 (newest 0.17.2).
-So attnsel takes the flash route: ``register()`` registers transformers' own ``flash_attention_forward`` under
+paged flash forward). The Hub-kernel route would need the ``kernels`` package at 0.18.2 to < 0.19 on these versions
+(5.24's bound; 5.25 pins kernels >= 0.19.1); the flash route needs no package of its own, so attnsel takes it:
+``register()`` registers transformers' own ``flash_attention_forward`` under
 ``"attnsel_flash"`` and makes transformers' lazy flash-attention import return attnsel's FA3-compatible functions
 (``attnsel.flash_api``) for that name. transformers then does what it does for FlashAttention: unpads, packs the
 continuous batch, updates its paged cache, and calls ``flash_attn_varlen_func``; attnsel selects and dispatches.
@@ -16,6 +16,15 @@ table) stays off: every step, decode included, goes through the varlen call.
 The hook replaces ``transformers.modeling_flash_attention_utils._lazy_imports`` with a wrapper that answers for
 ``"attnsel_flash"`` only and defers to the original for every other name; it checks that the function it wraps has
 the signature it knows and refuses to install otherwise, with the reason.
+
+CUDA graphs: transformers' continuous batching captures by default for flash-named implementations on CUDA
+(``ContinuousBatchingConfig.use_cuda_graph`` left None): each new batch shape runs once eagerly, then the whole step is
+captured and later steps of that shape replay it after transformers rewrote cu_seqlens and the cache indices in
+place, with nothing called in between. So every varlen call is either eager or being captured, and
+``attnsel.flash_api`` plans a captured call on a selection made in mode "graph" (``attnsel.graph_selection``: with the
+default mode "eager", a second selection made at the spec's first captured call). ``register(mode="graph")`` makes
+the graph-mode selection the only one (needed with several torch.distributed ranks, which cannot select during a
+capture); ``use_cuda_graph=False`` in transformers' config keeps every call eager.
 
 Usage: ``attnsel.integrations.hf_kernels.register()`` (or ``attnsel.integrations.hf.register()``, which calls it on
 these versions) before ``from_pretrained(..., attn_implementation="attnsel_flash")``, then ``generate_batch``.

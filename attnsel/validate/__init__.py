@@ -1,4 +1,5 @@
-"""Validation (cases.py), timing (timing.py), the worker process (worker.py) and its runner (runner.py)."""
+"""Validation (cases.py), the timed shapes (grid.py), timing (timing.py, host_probe.py), the worker process
+(worker.py) and its runner (runner.py)."""
 import os
 
 

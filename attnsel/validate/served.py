@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from ..spec import AttentionSpec
-from . import cases
+from . import cases, yardstick
 
 
 @dataclasses.dataclass
@@ -72,10 +72,10 @@ def reference(spec: AttentionSpec, snap: Snapshot) -> Reference:
     dt = spec.torch_dtype
     sinks = snap.kwargs.get("sinks")
 
-    def both(q, k, v):
+    def both(q, k, v):  # the float32 reference and the validation's yardstick, as for a validation case
         args = dict(window=spec.sliding_window, softcap=spec.softcap, sinks=sinks)
-        return (cases.reference_attention(q, k, v, spec.scale, spec.causal, dtype=torch.float32, **args),
-                cases.reference_attention(q, k, v, spec.scale, spec.causal, dtype=dt, **args))
+        return (yardstick.reference_attention(q, k, v, spec.scale, spec.causal, **args),
+                yardstick.careful_attention(q, k, v, spec.scale, spec.causal, dtype=dt, **args))
 
     ref = torch.zeros(snap.q.shape, dtype=torch.float32, device=snap.q.device)
     low = torch.zeros(snap.q.shape, dtype=dt, device=snap.q.device)
@@ -128,14 +128,14 @@ def judge(spec: AttentionSpec, snap: Snapshot, refs: Reference) -> dict:
         return {"status": "skipped", "reason": refs.problem}
     if not bool(torch.isfinite(refs.ref).all()):
         return {"status": "skipped", "reason": "the inputs give a reference with NaN or inf"}
-    low_err = cases.max_abs_err(refs.low, refs.ref)
+    yard_err = yardstick.row_errors(refs.low, refs.ref)
     if snap.phase == "prefill":
         cq, ck = (torch.tensor(x, dtype=torch.int32) for x in refs.lengths)
         case = _ServedPrefill(cu_q=cq, cu_k=ck, max_q=0, max_k=0, q=snap.q, k=snap.k, v=snap.v, ref=refs.ref,
-                              low_err=low_err, sinks=snap.kwargs.get("sinks"))
+                              yard_err=yard_err, sinks=snap.kwargs.get("sinks"))
     else:
         case = _ServedDecode(page_table=snap.meta[0], seq_lens=torch.tensor(refs.lengths[0], dtype=torch.int32),
-                             q=snap.q, k_cache=snap.k, v_cache=snap.v, ref=refs.ref, low_err=low_err,
+                             q=snap.q, k_cache=snap.k, v_cache=snap.v, ref=refs.ref, yard_err=yard_err,
                              sinks=snap.kwargs.get("sinks"), k_scale=snap.kwargs.get("k_scale"),
                              v_scale=snap.kwargs.get("v_scale"))
     out = snap.out

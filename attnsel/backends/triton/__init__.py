@@ -51,32 +51,29 @@ def prefill_config(head_dim: int) -> TileConfig:
     if head_dim <= 64:
         return TileConfig(128, 64, 4, 3)
     if head_dim <= 128:
-        return TileConfig(128, 128, 8, 3)  # H200 sweep 2026-12-02: 454 TFLOP/s at 1x8192 (bench/results)
+        return TileConfig(128, 128, 8, 3)  # the tile sweep's best (see the results file)
     return TileConfig(64, 32, 4, 2)
 
 
 def decode_config(head_dim: int) -> TileConfig:
     if interpreted():
         return TileConfig(0, 32, 4, 1)
-    if head_dim <= 128:  # H200 sweep 2026-12-02: 4.38 TB/s at 64x4096 (bench/results). fp8 (2026-12-04-round9):
-        # 2.46-2.48 TB/s at 64x8192, BLOCK_N 128 2.43 (before V's fp16 conversion moved ahead of its layout change,
-        # BLOCK_N 64 reached only 1.83)
+    if head_dim <= 128:  # the tile sweep's best, bf16 and fp8 KV alike (see the results file)
         return TileConfig(0, 64, 4, 4)
     return TileConfig(0, 32, 4, 2)
 
 
 SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
 # An eager run of a split plan merges in the decode kernel (the last program of each row and KV head to arrive)
-# instead of a second reduce kernel: one launch instead of two. H200 2026-12-05 (bench/results/2026-12-05-round12):
-# eager 35-37 us per call instead of 52-55 at host-bound shapes (the launch saved), but under CUDA graphs 1.02-1.9x
-# slower than the reduce kernel (the last program merges its group's heads one after another, where the reduce
-# kernel merges every head in parallel): so a run captured into a graph takes the reduce kernel. Its ordering across
-# SMs (barrier, acquire-release count, partials read past L1) is tested by real concurrency
-# (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency: passed on an H100 and, after the modulo
-# count, on an H200, 2026-12-05). A plan run eagerly and then captured (an engine's warm-up, then its graphs) builds
-# the second decode variant and the reduce kernel during capture: Triton compiles and loads them there without a
-# device call that capture refuses (H100, H200, torch 2.11 + Triton 3.6:
-# tests/test_gpu.py::test_decode_plan_reused_many_times_eager_and_graph passed).
+# instead of a second reduce kernel: one launch instead of two, which saves about a third of an eager call at
+# host-bound shapes; under CUDA graphs, where launches cost nothing extra, the in-kernel merge is slower (the last
+# program merges its group's heads one after another, where the reduce kernel merges every head in parallel), so a
+# run captured into a graph takes the reduce kernel (see the results file). Its ordering across SMs (barrier,
+# acquire-release count, partials read past L1) is tested by real concurrency
+# (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency). A plan run eagerly and then captured (an
+# engine's warm-up, then its graphs) builds the second decode variant and the reduce kernel during capture: Triton
+# compiles and loads them there without a device call that capture refuses
+# (tests/test_gpu.py::test_decode_plan_reused_many_times_eager_and_graph).
 MERGE_IN_DECODE_KERNEL = True
 MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded up) the in-kernel merge takes
 
@@ -91,10 +88,10 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block
     max(min_chunk, total_len x kv_heads / target) so that the programs that read come to about
     SPLIT_PROGRAMS_PER_SM per SM; a row of n tokens uses round(n / chunk) splits (at least 1, at most num_splits:
     what the longest row needs now or what rows of equal length need at any length, whichever is more, at most
-    64). ``sms``: the GPU's multiprocessor count, None under the interpreter. H200 sweep 2026-12-03
-    (bench/results/2026-12-03-round4, scripts/gpu_triton_decode.py): 384-528 programs ran within 2% of the best split count while 576 and 768 ran 1.12-1.32x slower (a partly filled last
-    round of programs), and with one split count for every row (the longest's) a ragged batch of one long and
-    seven short rows ran 2.2x slower than with splits per row.
+    64). ``sms``: the GPU's multiprocessor count, None under the interpreter. About 3 programs per SM run close to
+    the best split count, while more leave a partly filled last round of programs; one split count for every row
+    (the longest's) makes a ragged batch of one long and several short rows run far slower than splits per row (see
+    the results file).
     """
     if sms is None:  # the interpreter (no GPU): still exercise the split path on long contexts
         min_chunk = 4 * block_n
@@ -195,7 +192,7 @@ class TritonBackend:
             # no host read during CUDA-graph capture: the longest row the page table holds, every row that long. The
             # grid has the splits rows of equal length need at any length; a ragged replay (one long row among short
             # ones) gets no more splits per row than that, which is slower than an eager plan would make it (up to
-            # 2.2x on the H200): sizing for one long row would keep 64 splits of partial outputs per captured call
+            # 2.2x): sizing for one long row would keep 64 splits of partial outputs per captured call
             max_len = page_table.shape[1] * spec.page_size
             if spec.sliding_window is not None:
                 max_len = min(max_len, spec.sliding_window)
@@ -276,7 +273,7 @@ def triton_next_pow2(n: int) -> int:
 
 def tile_d(head_dim: int) -> int:
     """BLOCK_D of the kernels for head_dim: the next power of 2, at least 16 (tl.dot needs K >= 16 when compiled:
-    head_dim 8 failed to compile on the H200, 2026-12-05; the extra columns are masked)."""
+    head_dim 8 does not compile; the extra columns are masked)."""
     return max(16, triton_next_pow2(head_dim))
 
 

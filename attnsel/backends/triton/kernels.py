@@ -6,12 +6,12 @@ softmax denominator, and (decode) an fp8 e4m3 cache dequantised with per-tensor 
 score scale, v_scale into the output; the dots run in fp16 (q is rounded from bf16 to fp16: exact in fp16's range).
 
 Offsets: a sequence's first query and key rows are 64-bit scalar bases (computed once per program), offsets inside
-one sequence are 32-bit, as fast as before: a ragged batch of 2^31 and more elements (e.g. 32 KV heads x 128 dims x
-524288 keys over many sequences) addresses correctly. Only a single sequence whose rows x stride pass 2^31 needs
-64-bit offsets inside it: the LONG variant, chosen on the host. Decode offsets are 32-bit except the page's (a
-cache of 2^31 elements is common); the plan checks the rest stays below 2^31.
+one sequence are 32-bit (as fast as 32-bit offsets throughout): a ragged batch of 2^31 and more elements (e.g. 32 KV
+heads x 128 dims x 524288 keys over many sequences) addresses correctly. Only a single sequence whose rows x stride
+pass 2^31 needs 64-bit offsets inside it: the LONG variant, chosen on the host. Decode offsets are 32-bit except the
+page's (a cache of 2^31 elements is common); the plan checks the rest stays below 2^31.
 Switches are constexpr (WINDOW: the window in tokens, 0 = none; SOFTCAP: c * log2(e), 0 = none; HAS_SINKS; FP8):
-with every feature off the kernels compile to what they were without features. Unused pointers may be None.
+with every feature off the kernels compile to the plain kernels. Unused pointers may be None.
 
 UPCAST turns the dot operands into float32. It is set only under TRITON_INTERPRET=1, where Triton's interpreter
 computes bf16 dots wrongly (docs/ARCHITECTURE.md); compiled kernels keep bf16/fp16 operands and float32 accumulators.
@@ -127,7 +127,7 @@ def prefill_kernel(Q, K, V, O, cu_q, cu_k, SINKS, scale_in,
     if CAUSAL:
         end_n = tl.minimum(len_k, (pid_m + 1) * BLOCK_M + shift)
         # every row of the tile sees these keys; at least 0: with many more queries than keys row0 is far below 0,
-        # and (row0 + 1) // BLOCK_N truncates towards 0 to a negative block (keys before the sequence were read)
+        # and (row0 + 1) // BLOCK_N truncates towards 0 to a negative block (it would read keys before the sequence)
         full_n = tl.maximum(((row0 + 1) // BLOCK_N) * BLOCK_N, 0)
     else:
         end_n = len_k
@@ -152,7 +152,7 @@ def prefill_kernel(Q, K, V, O, cu_q, cu_k, SINKS, scale_in,
     if HAS_SINKS:
         acc, l_i = _add_sinks(acc, m_i, l_i, SINKS, head + offs_m * 0, m_mask)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key (more queries than keys,
-    # causal; or no keys): acc is 0, out 0 as in FlashAttention (was 0 / 0 = NaN)
+    # causal; or no keys): acc is 0, out 0 as in FlashAttention (not 0 / 0 = NaN)
     tl.store(O + q_rows[:, None] * stride_ot + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
 
@@ -245,7 +245,7 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCAL
             k = k.to(tl.float16)
             # a no-op select (masked rows loaded as 0 already) keeps V's cast ahead of its change to the dot's
             # layout: otherwise Triton changes the layout of the 8-bit tile, reading it from shared memory one byte
-            # at a time (H200: 6% slower; tests/fixtures/triton_compile_check.py fails on it)
+            # at a time (slower; tests/fixtures/triton_compile_check.py fails on it)
             v = tl.where(t_mask[:, None], v.to(tl.float16), 0.0)
         qk = _scores(tl.dot(q, tl.trans(k)), scale_in, SOFTCAP)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))

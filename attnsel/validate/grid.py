@@ -1,0 +1,316 @@
+"""The timed shapes: the bucket grids of each phase (levels, wave-edge batch sizes, ragged decode batches), their
+keys and labels, and the workloads built for a bucket (input sets rotated so that timed reads come from HBM)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..spec import AttentionSpec
+from .cases import cumulative
+
+ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
+MAX_SETS = 1024
+DEFAULT_L2_BYTES = 50 << 20  # an H200's L2; used when the device does not report its L2 size
+
+# Timed representatives (bucket centres). Buckets are the cells between the geometric midpoints of neighbouring
+# values on each axis; a shape outside the grid is clamped to the nearest end. Prompt lengths are 9/8 of powers of
+# two: real prompts end inside a kernel's tile, and a grid of whole tiles flatters the backends whose tiles fit it.
+# Prompt lengths and decode batch sizes go in steps of sqrt(2): the kernels' speed is not monotone between powers of
+# two (tiles, waves over the SMs, split heuristics; see the results file). The values between powers of two form the
+# finest level (2).
+PREFILL_SEQS = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_LENS = (72, 102, 144, 204, 288, 407, 576, 815, 1152, 1629, 2304, 3258, 4608, 6516, 9216, 13033, 18432)
+PREFILL_RAGGED = ([2048] + [64] * 15, [4096] + [256] * 7)  # one long prompt among short ones (chunked prefill)
+MAX_PREFILL_TOKENS = 32768
+DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
+# Eager decode contexts end half-way into a 64-token tile (a power of two plus 32), as a context drawn at random does
+# on average: contexts of whole tiles flatter the kernels that work in whole tiles (Triton's 64-token blocks against
+# FlashInfer's 16-token pages; see the results file). Levels and the memory cap go by the powers of two
+# (DECODE_CTX_POW2). Graph mode's contexts (GRAPH_DECODE_CTX) stay whole powers of two: not measured with half tiles.
+DECODE_CTX_POW2 = (256, 512, 1024, 2048, 4096, 8192, 16384)
+DECODE_TILE_TAIL = 32
+DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
+# Ragged decode buckets (eager mode): batches whose rows' contexts spread from 1/16 to 4 times their mean (longest
+# row 3.0-4.2x the mean), timed as a sub-table keyed like the uniform one (batch, mean context) and used for batches
+# of similar skew (longest row at least RAGGED_SKEW times the mean) near the timed ones (selection.DispatchTable.
+# covers): on such batches of 32 rows and more the uniform table's choice for their (batch, mean) can be far from the
+# fastest; up to 8 rows the two agree (see the results file).
+RAGGED_DECODE_BATCHES = (4, 8, 32, 128)
+RAGGED_DECODE_MEANS = (1024, 4096)
+RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
+# Wave edges (eager and graph decode): a kernel that runs one thread block per (row, KV head) and does not split
+# the context (FA3 once the blocks fill 0.8 of the SMs) takes ceil(batch x kv_heads / SMs) rounds, so its time steps
+# up right past batch = k x SMs / kv_heads, and the sqrt(2) grid above brackets such an edge with two values on its
+# sides: the lookup's interpolation between them then credits the kernel with the lower round count (at 28/4 heads
+# on 132 SMs it would give 100 rows to FA3, from 91 and 128 rows, where FlashInfer is faster; see the results file).
+# So for the first WAVE_EDGES edges, where a round is at least a third of the time, the grid holds the batch sizes on
+# both sides of the edge (``wave_batches``): the last one with k rounds, unless a grid value within 5% below it
+# already has k rounds, and the first one with k + 1.
+WAVE_EDGES = 3
+GRAPH_DECODE_CTX = (256, 1024, 4096, 16384)  # graph mode scores a batch size over contexts: 4x steps suffice
+# (there a bucket's level is its batch size's: every batch size is timed at all four contexts together)
+MAX_DECODE_KV_BYTES = 4 << 30
+CPU_PREFILL = ([16], [24, 8])  # the interpreter and CPU torch: tiny workloads only
+CPU_DECODE = ((1, 32), (4, 32))
+
+PREFILL_AXES = ("num_seqs", "total_tokens", "longest")
+DECODE_AXES = ("batch", "context")
+
+
+@dataclasses.dataclass
+class Workload:
+    label: str
+    plan_args: tuple
+    inputs: tuple
+
+
+def prefill_key(lens: list[int]) -> tuple[int, int, int]:
+    """The bucket coordinates of a prefill batch: (number of sequences, total tokens, longest sequence)."""
+    return (len(lens), sum(lens), max(lens))
+
+
+def prefill_label(lens: list[int]) -> str:
+    if len(set(lens)) == 1:
+        return f"{len(lens)}x{lens[0]}"
+    return f"{len(lens)} seqs, {sum(lens)} tok, max {max(lens)}"
+
+
+def _level(value: int, values: tuple[int, ...]) -> int:
+    """2 for a value that is not a power of two times the first (the sqrt(2) steps); among the others 0 for every
+    other one and both ends (the coarse grid), 1 for those in between."""
+    ratio = value / values[0]
+    if ratio != 2 ** round(math.log2(ratio)):
+        return 2
+    doubles = [v for v in values if (v / values[0]) == 2 ** round(math.log2(v / values[0]))]
+    i = doubles.index(value)
+    return 0 if i % 2 == 0 or i == len(doubles) - 1 else 1
+
+
+def _coarse_first(grid: list[tuple], group=lambda item: item[1]) -> list[tuple]:
+    """The grid by level, coarse first; within a level the groups (``group``: the batch size or the number of
+    prompts) in bit-reversed order and each group's buckets together, so that a time budget that stops part-way
+    through a level leaves whole batch sizes out, spread over the range (a graph-mode table scores a batch size
+    over its contexts: half of them would bias it) rather than the largest ones all missing."""
+    def bit_reversed(i: int, n: int) -> int:
+        bits = max(1, (n - 1).bit_length())
+        return int(format(i, f"0{bits}b")[::-1], 2)
+
+    out = []
+    for level in sorted({item[0] for item in grid}):
+        groups: dict = {}
+        for item in grid:
+            if item[0] == level:
+                groups.setdefault(group(item), []).append(item)
+        keys = list(groups)
+        for i in sorted(range(len(keys)), key=lambda i: bit_reversed(i, len(keys))):
+            out += groups[keys[i]]
+    return out
+
+
+def prefill_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, list[int]]]:
+    """(level, sequence lengths) of the timed prefill buckets, coarse grid (level 0) first."""
+    if device.type != "cuda":
+        return [(0, list(lens)) for lens in CPU_PREFILL]
+    grid = []
+    for n in PREFILL_SEQS:
+        for length in PREFILL_LENS:
+            if n * length <= MAX_PREFILL_TOKENS:
+                grid.append((max(_level(n, PREFILL_SEQS), _level(length, PREFILL_LENS)), [length] * n))
+    grid += [(1, list(lens)) for lens in PREFILL_RAGGED]
+    return _coarse_first(grid, group=lambda item: len(item[1]))
+
+
+def wave_batches(spec: AttentionSpec, sms: int | None) -> list[int]:
+    """The decode batch sizes that the grid adds at the first WAVE_EDGES wave edges of a GPU with ``sms``
+    multiprocessors (see WAVE_EDGES): per edge k x sms / kv_heads the largest batch with k rounds (unless a grid
+    value within 5% below it has k rounds too) and the smallest with k + 1, within the grid's range, none of them a
+    DECODE_BATCHES value. ``sms`` None (no GPU, or unknown): none."""
+    if not sms:
+        return []
+    out = []
+    for k in range(1, WAVE_EDGES + 1):
+        edge = k * sms / spec.num_kv_heads
+        below = math.floor(edge)
+        above = below + 1
+        if above > DECODE_BATCHES[-1]:
+            break
+        if below >= 1 and not any(0.95 * below <= b <= below for b in DECODE_BATCHES):
+            out.append(below)
+        if above not in DECODE_BATCHES:
+            out.append(above)
+    return sorted(set(out))
+
+
+def device_sms(device: torch.device) -> int | None:
+    """The multiprocessor count of a CUDA device; None elsewhere."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
+                mode: str = "eager", sms: int | None = None) -> list[tuple[int, int, int]]:
+    """(level, batch, context length) of the timed decode buckets, coarse grid first (graph mode: the contexts of
+    GRAPH_DECODE_CTX, a bucket's level that of its batch size). A bucket's KV cache (eager: at the power of two
+    below its context) is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it (the torch
+    backend gathers a copy, and a server may select after loading its weights); the cells left out are served by
+    their nearest neighbour. ``sms``: the GPU's
+    multiprocessor count, which adds the batch sizes at its wave edges (``wave_batches``, finest level)."""
+    if device.type != "cuda":
+        return [(0, b, c) for b, c in CPU_DECODE]
+    cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
+    # each context with its power of two (eager: 32 tokens below it), which the levels and the cap go by: the half
+    # tile (under 1%) would push every bucket that sits exactly at the 4 GiB cap out of the grid (64 x 16384, ...)
+    contexts, bases = (GRAPH_DECODE_CTX, GRAPH_DECODE_CTX) if mode == "graph" else (DECODE_CTX, DECODE_CTX_POW2)
+    waves = wave_batches(spec, sms)
+    grid = []
+    for b in sorted(DECODE_BATCHES + tuple(waves)):
+        for c, base in zip(contexts, bases):
+            if decode_bytes(spec, b, base) <= cap:
+                # graph mode: a batch size's level only (its table scores each batch size over all its contexts)
+                batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
+                level = batch_level if mode == "graph" else max(batch_level, _level(base, bases))
+                grid.append((level, b, c))
+    return _coarse_first(grid)
+
+
+def ragged_decode_lens(batch: int, mean: int) -> list[int]:
+    """The context lengths of a ragged timing batch: log-uniform from 1/16 to 4 (relative), scaled to ``mean`` on
+    average exactly (each at least 1), in a fixed shuffled order (rows sorted by length would favour one kernel's
+    scheduling)."""
+    if batch == 1:
+        return [mean]
+    weights = [2.0 ** (-4 + 6 * i / (batch - 1)) for i in range(batch)]
+    scale = mean * batch / sum(weights)
+    lens = [max(1, round(w * scale)) for w in weights]
+    lens[-1] += mean * batch - sum(lens)  # the longest row takes the rounding: the mean is exact
+    order = sorted(range(batch), key=lambda i: (i * 0.6180339887) % 1.0)  # golden-ratio shuffle
+    return [lens[i] for i in order]
+
+
+def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
+                       mode: str = "eager") -> list[tuple[int, list[int]]]:
+    """(level 0, context lengths) of the ragged decode buckets: eager mode on a GPU only (a CUDA graph is captured
+    per batch size and keyed by it alone); capped like decode_grid."""
+    if device.type != "cuda" or mode != "eager":
+        return []
+    cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
+    grid = []
+    for b in RAGGED_DECODE_BATCHES:
+        for m in RAGGED_DECODE_MEANS:
+            lens = ragged_decode_lens(b, m)
+            if decode_bytes(spec, 1, sum(lens)) <= cap:
+                grid.append((0, lens))
+    return grid
+
+
+def ragged_key(lens: list[int]) -> tuple[int, int]:
+    """The bucket coordinates of a ragged decode batch: (batch, mean context rounded up), as Selection.plan_decode
+    computes them from ``context_tokens``."""
+    return (len(lens), -(-sum(lens) // len(lens)))
+
+
+def prefill_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, list[int]]]:
+    """(label, sequence lengths) of the prefill grid, for tools that time shapes one by one."""
+    return [(prefill_label(lens), lens) for _, lens in prefill_grid(spec, device)]
+
+
+def decode_workloads(spec: AttentionSpec, device: torch.device) -> list[tuple[str, int, int]]:
+    """(label, batch, context length) of the (eager) decode grid."""
+    return [(f"{b}x{c}", b, c) for _, b, c in decode_grid(spec, device, sms=device_sms(device))]
+
+
+def make_prefill_workload(spec: AttentionSpec, device: torch.device, label: str, lens: list[int]) -> Workload:
+    cu = cumulative(lens, device)
+    total, dt = sum(lens), spec.torch_dtype
+    q = torch.randn(total, spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
+    k = torch.randn(total, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
+    v = torch.randn_like(k)
+    return Workload(label, (cu, cu, max(lens), max(lens)), (q, k, v))
+
+
+def make_decode_workload(spec: AttentionSpec, device: torch.device, label: str, batch: int, ctx: int) -> Workload:
+    ps, dt = spec.page_size, spec.torch_dtype
+    pages = math.ceil(ctx / ps)
+    k_cache = torch.randn(batch * pages, ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
+    k_cache = k_cache.to(spec.kv_torch_dtype)
+    v_cache = _random_like(k_cache)
+    page_table = torch.randperm(batch * pages, device=device).to(torch.int32).view(batch, pages)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
+    return Workload(label, (page_table, seq_lens), (q, k_cache, v_cache))
+
+
+def make_ragged_decode_workload(spec: AttentionSpec, device: torch.device, label: str, lens: list[int]) -> Workload:
+    """A decode batch whose sequences have the given context lengths (shuffled pages; unused table columns 0)."""
+    ps, dt = spec.page_size, spec.torch_dtype
+    pages = [math.ceil(n / ps) for n in lens]
+    k_cache = torch.randn(sum(pages), ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
+    k_cache = k_cache.to(spec.kv_torch_dtype)
+    v_cache = _random_like(k_cache)
+    order = torch.randperm(sum(pages), device=device).to(torch.int32)
+    page_table = torch.zeros((len(lens), max(pages)), dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(pages):
+        page_table[b, :n] = order[start:start + n]
+        start += n
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
+    return Workload(label, (page_table, seq_lens), (q, k_cache, v_cache))
+
+
+def prefill_flops(spec: AttentionSpec, lens: list[int]) -> float:
+    """FLOPs of causal attention (half the square per sequence), 4 per multiply-add pair of the two matmuls."""
+    return sum(4 * spec.num_q_heads * spec.head_dim * n * n / (2 if spec.causal else 1) for n in lens)
+
+
+def decode_bytes(spec: AttentionSpec, batch: int, ctx: int) -> float:
+    item = torch.finfo(spec.torch_dtype).bits // 8
+    return 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * item
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def num_sets(set_bytes: int, device: torch.device) -> int:
+    """How many input sets a bucket rotates over so that their total exceeds ROTATE_L2 x the L2 size."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(MAX_SETS, math.ceil(ROTATE_L2 * l2_bytes(device) / max(set_bytes, 1))))
+
+
+def _random_like(t: torch.Tensor) -> torch.Tensor:
+    """Standard-normal values in t's shape and dtype (fp8 included, which randn cannot make directly)."""
+    return torch.randn(t.shape, device=t.device).to(t.dtype)
+
+
+def feature_inputs(spec: AttentionSpec, phase: str, device: torch.device) -> dict:
+    """The run-time feature inputs of a timing workload (sinks; fp8 k/v scales in decode), as the spec needs them."""
+    kwargs = {}
+    if spec.sinks:
+        kwargs["sinks"] = torch.zeros(spec.num_q_heads, dtype=torch.float32, device=device)
+    if spec.kv_dtype is not None and phase == "decode":
+        kwargs.update(k_scale=torch.ones(1, device=device), v_scale=torch.ones(1, device=device))
+    return kwargs
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def rotated_workloads(spec: AttentionSpec, phase: str, shape, device: torch.device) -> tuple[tuple, list[tuple]]:
+    """(plan_args, input sets) of one bucket: one plan, several input sets of the same shapes (HBM rotation)."""
+    if phase == "prefill":
+        first = make_prefill_workload(spec, device, "", shape)
+    elif isinstance(shape, list):
+        first = make_ragged_decode_workload(spec, device, "", shape)
+    else:
+        first = make_decode_workload(spec, device, "", *shape)
+    count = num_sets(_nbytes(first.inputs), device)
+    sets = [first.inputs] + [tuple(_random_like(t) for t in first.inputs) for _ in range(count - 1)]
+    return first.plan_args, sets
