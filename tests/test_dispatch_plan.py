@@ -218,6 +218,7 @@ def test_plan_decode_in_flash_layout_names_a_bad_q_and_a_bad_layout():
         sel.plan_decode(table, lens, q_layout="bshd")
 
 
+@pytest.mark.usefixtures("inproc_worker")
 @pytest.mark.parametrize("name,why", [
     ("b1hd_liar_shape", r"declares decode_takes_b1hd but returned \(\d+, 4, 16\) for q \[B, 1, H, D\], expected "
                         r"\(\d+, 1, 4, 16\)"),

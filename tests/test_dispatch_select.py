@@ -83,6 +83,7 @@ def test_the_real_worker_times_the_cpu_grid_interleaved():
     assert sel.stats["spawns"] == 1 and sel.stats["timing_wall_s"] > 0
 
 
+@pytest.mark.usefixtures("inproc_worker")
 def test_selection_error_carries_what_was_found(monkeypatch):
     with pytest.raises(SelectionError) as exc:
         select(SPEC, prefill="fa3", policy="priority", decode_priority=["torch"])
@@ -156,6 +157,7 @@ def test_candidates_validated_by_a_worker_that_died_are_still_timed(monkeypatch,
     assert again.stats["spawns"] == 0 and again.dispatch["decode"].to_json() == table.to_json()
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")  # the cache's business: a thread by default
 def test_a_table_whose_candidate_the_outlier_rule_rejects_is_reused(monkeypatch, tmp_path):
     """biased is rejected (its own rows' check now; under one tolerance per case it passed and the cross-candidate
     outlier rule, applied on every selection from the cached errors, rejected it); the table of the others was
@@ -175,6 +177,7 @@ def test_a_table_whose_candidate_the_outlier_rule_rejects_is_reused(monkeypatch,
     assert next(c for c in again.candidates["decode"] if c.name == "biased").status == "rejected"
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")  # the cache's business: a thread by default
 def test_a_table_whose_candidate_got_no_time_is_reused_with_its_reason(monkeypatch, tmp_path):
     """stale_when_timed is valid but wrong in every timed bucket: the table (torch alone timed) is complete in the
     sense that matters, every missing time has its recorded reason, so it is stored and the next run reuses it
@@ -206,6 +209,7 @@ def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
         select(SPEC, budget_s=0)
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")  # the cache's business: a thread by default
 def test_a_table_cut_by_the_budget_is_timed_again_under_a_larger_one(monkeypatch, tmp_path):
     """A table the budget cut short (skipped buckets) was cached and served to every later run, whatever budget that
     run had: raising ATTNSEL_TIMING_BUDGET_S changed nothing until `attnsel cache clear` (review, 2026-12-05). Now
@@ -224,6 +228,7 @@ def test_a_table_cut_by_the_budget_is_timed_again_under_a_larger_one(monkeypatch
     assert select(SPEC, budget_s=1e-6, **kw).cache == "hit"  # the full table serves a smaller budget too
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")  # the cache's business: a thread by default
 def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
     """Both phases timed share the budget; the table records the decode phase's share, so a later run that times
     decode alone under the same total (decode's share doubles) times it again; and an infinite budget ("no
@@ -250,6 +255,7 @@ def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
     assert warm.cache == "hit" and warm.stats["spawns"] == 0
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")  # the cache's business: a thread by default
 def test_no_table_is_timed_where_the_outlier_rule_leaves_one_candidate(monkeypatch, tmp_path):
     """The outlier rule (before per-row tolerances; biased's own check now) rejects biased, leaving one candidate
     and no table. The lookup counted two valid candidates and timed the phase on every run, for a table it then threw
@@ -265,6 +271,7 @@ def test_no_table_is_timed_where_the_outlier_rule_leaves_one_candidate(monkeypat
     assert again.cache == "hit" and again.stats["spawns"] == 0 and again.decode == "precise"
 
 
+@pytest.mark.usefixtures("inproc_worker")
 def test_select_names_arguments_of_a_wrong_type(tmp_path):
     """Review finding: a priority given as the CLI's "a,b" text was read letter by letter ("unknown backend 't'"),
     timeout="10" and budget_s="5" raised a bare TypeError, a dict spec an AttributeError after every backend's
