@@ -19,15 +19,18 @@ from pathlib import Path
 import filelock
 import platformdirs
 
+from . import settings
+from .errors import InvalidArgument
+
 log = logging.getLogger(__name__)
 
 SCHEMA = 1
-ENV_DIR = "ATTNSEL_CACHE_DIR"
 FILENAME = "results.json"
 
 
 def default_dir() -> Path:
-    return Path(os.environ.get(ENV_DIR) or platformdirs.user_cache_dir("attnsel"))
+    """$ATTNSEL_CACHE_DIR, else the user cache directory."""
+    return Path(settings.read("cache_dir") or platformdirs.user_cache_dir("attnsel"))
 
 
 def entry_key(fingerprint: dict, spec: dict, backend: str, identity: dict | str | None, phase: str) -> str:
@@ -53,18 +56,19 @@ class ResultCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            where = f"${ENV_DIR}" if os.environ.get(ENV_DIR) and self.dir == default_dir() else "the cache directory"
-            raise ValueError(f"{where} {str(self.dir)!r} cannot be used as a directory ({exc.strerror or exc}); give "
-                             "a directory attnsel may write to, or turn the cache off (--no-cache, use_cache=False)"
-                             ) from None
+            given = settings.read("cache_dir") and self.dir == default_dir()
+            where = f"${settings.ENV['cache_dir']}" if given else "the cache directory"
+            raise InvalidArgument(f"{where} {str(self.dir)!r} cannot be used as a directory ({exc.strerror or exc}); "
+                                  "give a directory attnsel may write to, or turn the cache off (--no-cache, "
+                                  "use_cache=False)") from None
         self.check_file()
 
     def check_file(self) -> None:
-        """ValueError naming the results file when something other than a file is in its place (a directory): it
+        """InvalidArgument naming the results file when something other than a file is in its place (a directory): it
         could be neither read nor replaced."""
         if self.path.exists() and not self.path.is_file():
-            raise ValueError(f"the cache's results file {str(self.path)!r} is not a file; remove it, or give another "
-                             "cache directory (--cache-dir, $ATTNSEL_CACHE_DIR) or --no-cache")
+            raise InvalidArgument(f"the cache's results file {str(self.path)!r} is not a file; remove it, or give "
+                                  "another cache directory (--cache-dir, $ATTNSEL_CACHE_DIR) or --no-cache")
 
     def _read(self) -> dict:
         try:

@@ -29,12 +29,11 @@ import contextlib
 import dataclasses
 import logging
 import numbers
-import os
 
 import filelock
 import torch
 
-from . import backends
+from . import backends, settings
 from .backends.support import capturing
 from .cache import ResultCache, entry_key
 from .spec import AttentionSpec
@@ -53,12 +52,7 @@ def every_from(value) -> int:
     """N from ``select(canary_every=...)``: None reads $ATTNSEL_CANARY (unset or empty: 0); 0 is off. ValueError
     naming the setting for anything but a whole number >= 0."""
     if value is None:
-        raw = os.environ.get(ENV, "").strip()
-        if not raw:
-            return 0
-        if not raw.isdigit():
-            raise ValueError(f"${ENV} must be 0 (off) or a whole number of plans N ({_WHAT}), got {raw!r}")
-        return int(raw)
+        return settings.read("canary")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"canary_every must be None, 0 (off) or a whole number of plans N >= 1 ({_WHAT}; None: "
                          f"${ENV}), got {value!r}")

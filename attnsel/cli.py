@@ -1,5 +1,5 @@
-"""`attnsel report | select | bench | cache | serve`: exit 0 on success, 2 for bad input, 3 when a phase cannot be
-served (or `bench` or `--mode graph` finds no CUDA device), 1 when stdout cannot take the output."""
+"""`attnsel report | select | bench | cache | serve`: exit 0 on success, 2 for bad input (attnsel's own errors), 3 when
+a phase cannot be served (or no CUDA device for `bench`, `--mode graph`), 1 when stdout cannot take the output."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from . import __version__, backends, bench_args, serve
+from . import __version__, backends, bench_args, errors, serve, settings
 from .backends import UnknownBackendError
 from .bench_args import comma_names as _names
 from .cache import ResultCache
@@ -28,17 +28,16 @@ FIELD_FLAGS = {"num_q_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "
 FIELD_DESTS = {"num_q_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "dtype": "dtype",
                "page_size": "page_size", "sliding_window": "sliding_window", "softcap": "softcap", "sinks": "sinks",
                "kv_dtype": "kv_dtype", "softmax_scale": "softmax_scale"}
-ENV_BACKENDS = {"prefill": ("ATTNSEL_PREFILL_BACKEND", "--llm_prefill_att_backend"),
-                "decode": ("ATTNSEL_DECODE_BACKEND", "--llm_decode_att_backend")}
+BACKEND_FLAGS = {"prefill": "--llm_prefill_att_backend", "decode": "--llm_decode_att_backend"}
 EXIT_OUTPUT, EXIT_USAGE, EXIT_UNSERVED = 1, 2, 3  # 1: stdout could not take the output
 LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
 
 
-class UsageError(ValueError):
-    pass
+class UsageError(errors.AttnselError, ValueError):
+    """A flag's value the command refuses (exit 2)."""
 
 
-class CannotRun(RuntimeError):
+class CannotRun(errors.AttnselError, RuntimeError):
     """The input is fine but this machine cannot do it (exit 3): `bench` or `--mode graph` without a CUDA device."""
 
 
@@ -148,15 +147,16 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
 
 def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str]:
     """(value, where it came from in words): the flag, else the environment variable, else auto."""
-    env, flag = ENV_BACKENDS[phase]
+    flag = BACKEND_FLAGS[phase]
     value = getattr(args, phase)
     if value is not None:
         alias = f"--{phase}-backend"  # argparse takes unambiguous prefixes too: name the flag they stand for
         typed = [f for a in getattr(args, "argv", []) if a.startswith("--") and len(a.split("=", 1)[0]) > 2
                  for f in (flag, alias) if f.startswith(a.split("=", 1)[0])]
         return value, (typed[-1] if typed else flag)  # the last one given wins in argparse
-    if os.environ.get(env):
-        return os.environ[env], f"{env}={os.environ[env]} (environment variable)"
+    env, value = settings.ENV[f"{phase}_backend"], settings.read(f"{phase}_backend")
+    if value != AUTO:
+        return value, f"{env}={value} (environment variable)"
     return AUTO, flag
 
 
@@ -357,19 +357,18 @@ def main(argv: list[str] | None = None) -> int:
     if stdout is not None:  # None: started with stdout closed (`>&-`); print() and rich write nothing then
         sys.stdout = _MarkedStdout(stdout)
     try:
+        settings.Settings.from_env()  # every ATTNSEL_* variable, whatever the command reads
         result = args.func(args, Console())
         if sys.stdout is not None:
             sys.stdout.flush()  # a full disk shows here for output still buffered
         return result
-    except (SpecError, UsageError, UnknownBackendError, ValueError) as exc:
-        err.print(f"attnsel: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+    except (SelectionError, CannotRun) as exc:
+        what = "cannot serve" if isinstance(exc, SelectionError) else "cannot run"
+        err.print(f"attnsel: {what}: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_UNSERVED
+    except errors.AttnselError as exc:  # SpecError, UnknownBackendError, SettingsError, ...: bad input; any other
+        err.print(f"attnsel: error: {exc}", markup=False, highlight=False, soft_wrap=True)  # error is a bug: traceback
         return EXIT_USAGE
-    except SelectionError as exc:
-        err.print(f"attnsel: cannot serve: {exc}", markup=False, highlight=False, soft_wrap=True)
-        return EXIT_UNSERVED
-    except CannotRun as exc:
-        err.print(f"attnsel: cannot run: {exc}", markup=False, highlight=False, soft_wrap=True)
-        return EXIT_UNSERVED
     except BrokenPipeError as pipe:  # the reader of stdout went away (`attnsel cache path | head -0`; rich's
         # tables handle it themselves: exit 1): no traceback, the shell's status for SIGPIPE
         try:

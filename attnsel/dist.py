@@ -15,24 +15,25 @@ from __future__ import annotations
 import datetime
 import logging
 import numbers
+import pickle
 from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from .validate import seconds_from_env
+from . import settings
+from .errors import AttnselError, InvalidArgument
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TIMEOUT_ENV = "ATTNSEL_DIST_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 600.0  # every rank must ask within this (ranks load their models at different speeds)
-DECIDE_TIMEOUT_ENV = "ATTNSEL_DIST_DECIDE_TIMEOUT_S"
-DEFAULT_DECIDE_TIMEOUT_S = 3600.0  # a cold selection: JIT builds of minutes each, validation, timing
+# every rank must ask within ATTNSEL_DIST_TIMEOUT_S (ranks load their models at different speeds); rank 0 decides
+# within ATTNSEL_DIST_DECIDE_TIMEOUT_S (a cold selection: JIT builds of minutes each, validation, timing)
+TIMEOUT_ENV, DECIDE_TIMEOUT_ENV = settings.ENV["dist_timeout_s"], settings.ENV["dist_decide_timeout_s"]
 SAME_ORDER = ("every rank must make the same calls in the same order (a pipeline stage selects every kind of layer "
               "of the model, in one order, also those it does not hold)")
 
 
-class AgreementError(RuntimeError):
+class AgreementError(AttnselError, RuntimeError):
     """The ranks could not agree: they asked different questions, or a rank did not come within the timeout."""
 
 
@@ -43,12 +44,12 @@ def describe(question) -> str:
     return repr(question)
 
 
-def _seconds(arg: str, value: float | None, env: str, default: float) -> float:
+def _seconds(arg: str, value: float | None, field: str) -> float:
     if value is None:
-        return seconds_from_env(env, default)
+        return settings.read(field)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"{arg} must be a positive number of seconds or None (${env}, default {default:g}), "
-                         f"got {value!r}")
+        raise InvalidArgument(f"{arg} must be a positive number of seconds or None (${settings.ENV[field]}, default "
+                              f"{getattr(settings.Settings(), field):g}), got {value!r}")
     return float(value)
 
 
@@ -81,8 +82,8 @@ def agree(decide: Callable[[], T], question, *, timeout: float | None = None,
     AgreementError on every rank when the questions differ, on the waiting ranks when a rank does not come in time;
     rank 0's error from ``decide`` is re-raised on every rank with rank 0's message, so that no rank goes on alone.
     """
-    timeout = _seconds("timeout", timeout, TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
-    decide_timeout = _seconds("decide_timeout", decide_timeout, DECIDE_TIMEOUT_ENV, DEFAULT_DECIDE_TIMEOUT_S)
+    timeout = _seconds("timeout", timeout, "dist_timeout_s")
+    decide_timeout = _seconds("decide_timeout", decide_timeout, "dist_decide_timeout_s")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return decide()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -123,16 +124,29 @@ def _same_question(group, question, asked: str, timeout: float) -> None:
         raise AgreementError(f"rank {dist.get_rank()}: {problem}")
 
 
+def _portable(exc: Exception) -> Exception:
+    """``exc`` when it survives pickling (the other ranks raise it as it is), else a RuntimeError naming its type
+    and message (an exception holding an unpicklable attribute, or one whose constructor does not take its args
+    back, would otherwise fail the broadcast and leave the other ranks without rank 0's reason)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"rank 0 failed to decide: {type(exc).__name__}: {exc}")
+
+
 def _answer(group, decide: Callable[[], T], asked: str, decide_timeout: float) -> T:
     """Rank 0 decides and broadcasts its answer or its error; the other ranks wait for it."""
     rank = dist.get_rank()
     payload: list = [None]
+    own_error = None
     if rank == 0:
         try:
             payload[0] = ("ok", decide())
         except Exception as exc:
             log.error("rank 0 failed to decide: %s", exc)
-            payload[0] = ("error", exc)
+            own_error = exc
+            payload[0] = ("error", _portable(exc))
     try:
         dist.broadcast_object_list(payload, src=0, group=group)
     except Exception as exc:
@@ -141,7 +155,7 @@ def _answer(group, decide: Callable[[], T], asked: str, decide_timeout: float) -
         raise AgreementError(f"{asked} {waited}: {exc}") from exc
     status, value = payload[0]
     if status == "error":
-        raise value
+        raise own_error if own_error is not None else value
     if rank != 0:
         log.info("rank %d received the answer from rank 0", rank)
     return value

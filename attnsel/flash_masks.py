@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 import operator
 
+from .errors import AttnselError
+
 ALLOWED = ("allowed: (-1, -1) (no window), or (left, 0) with causal=False (the bottom-right causal mask, a window of "
            "left + 1 keys; (-1, 0): plain causal), or with causal=True any (left, right) (FA3 closes the right side: "
            "a window of left + 1 keys, none for left < 0)")
 
 
-class UnsupportedArgument(ValueError):
+class UnsupportedArgument(AttnselError, ValueError):
     """A FlashAttention argument attnsel does not serve was given a value other than its default."""
 
 

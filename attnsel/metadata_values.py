@@ -11,23 +11,17 @@ run). Plans made during CUDA-graph capture are not checked (a copy to the host c
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-ENV = "ATTNSEL_CHECK_METADATA"
+from . import settings
+
+ENV = settings.ENV["check_metadata"]  # named in the errors these checks raise
 
 
 def enabled() -> bool:
-    """Whether ``ATTNSEL_CHECK_METADATA`` asks for value checks ("1"/"true"/"yes"/"on"; "0"/"false"/"no"/"off"/unset:
-    no). Any other value is a ValueError naming the variable."""
-    raw = os.environ.get(ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"${ENV}={os.environ[ENV]!r}: expected 1/true/yes/on (check plan metadata values, one host copy "
-                     "per plan) or 0/false/no/off (trust them, the default)")
+    """Whether ``ATTNSEL_CHECK_METADATA`` asks for value checks (settings.Settings.check_metadata; a bad value is a
+    SettingsError naming the variable)."""
+    return settings.read("check_metadata")
 
 
 def _unreadable(t: torch.Tensor) -> bool:

@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
+from .errors import InvalidArgument
 from .selection import Selection, default_device
-from .spec import short_dtype_name
+from .spec import DTYPES as SPEC_DTYPES, short_dtype_name
 
 log = logging.getLogger(__name__)
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic")
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"auto": None, **SPEC_DTYPES}
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -119,15 +120,15 @@ def implementation(continuous_batching: bool, registered: list[str]) -> str:
     if hf_kernels.KERNEL_NAME in registered:  # transformers >= 5.25: the one name its server (and model process) takes
         return hf_kernels.KERNEL_NAME
     if hf_kernels.kernel_versions():
-        raise ValueError(f"transformers' server accepts attnsel only as the Hub kernel {hf_kernels.KERNEL_NAME}: "
-                         f"{hf_kernels.kernel_unsupported()}")
+        raise InvalidArgument(f"transformers' server accepts attnsel only as the Hub kernel {hf_kernels.KERNEL_NAME}: "
+                              f"{hf_kernels.kernel_unsupported()}")
     if not continuous_batching:
         return hf.NAME
     for name in (hf.PAGED_NAME, "attnsel_flash"):
         if name in registered:
             return name
-    raise ValueError(f"continuous batching: none of {hf.PAGED_NAME}, attnsel_flash could be registered with this "
-                     "transformers")
+    raise InvalidArgument(f"continuous batching: none of {hf.PAGED_NAME}, attnsel_flash could be registered with "
+                          "this transformers")
 
 
 def start_selections(model_dir: Path, impl: str, dtype: torch.dtype | None,
@@ -172,10 +173,10 @@ def _sigterm_as_interrupt():
 def cmd_serve(args: argparse.Namespace, out) -> int:
     reason = unavailable()
     if reason:
-        raise ValueError(reason)
+        raise InvalidArgument(reason)
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{model_dir} is not a model directory (no config.json)")
+        raise InvalidArgument(f"{model_dir} is not a model directory (no config.json)")
     from transformers.cli.serve import Serve
 
     from .integrations import hf
@@ -193,8 +194,7 @@ def cmd_serve(args: argparse.Namespace, out) -> int:
             out.print(line, markup=False, highlight=False, soft_wrap=True)
     out.print(f"serving {model_dir} with attn_implementation={impl} on http://{args.host}:{args.port}/v1 "
               "(transformers serve)", markup=False, highlight=False, soft_wrap=True)
-    dtype = {None: "auto", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[
-        DTYPES[args.dtype]]
+    dtype = "auto" if DTYPES[args.dtype] is None else str(DTYPES[args.dtype]).removeprefix("torch.")
     try:
         with _sigterm_as_interrupt(), _accept_names(registered):  # blocks while serving (uvicorn in this thread)
             Serve(force_model=str(model_dir), attn_implementation=impl, continuous_batching=args.continuous_batching,

@@ -10,6 +10,8 @@ from typing import Literal
 
 import torch
 
+from .errors import AttnselError
+
 DtypeName = Literal["bf16", "fp16", "fp32"]
 KvDtypeName = Literal["fp8_e4m3"]
 DTYPES: dict[DtypeName, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -27,7 +29,7 @@ def short_dtype_name(text: str) -> str:
     return DTYPE_NAMES.get(text.lower(), text)
 
 
-class SpecError(ValueError):
+class SpecError(AttnselError, ValueError):
     """A spec field or config file is invalid; the message names the field and what is allowed.
 
     ``field``: the AttentionSpec field the error is about, when there is one (the CLI names the flag that

@@ -35,11 +35,11 @@ def main() -> None:
     call = lambda: attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,  # noqa: E731
                                                    causal=True)
     call()
-    slot = next(s for s in flash_api._plans if s[0] == "decode")
-    entry = flash_api._plans[slot]
+    slot = next(s for s in flash_api.default()._plans if s[0] == "decode")
+    entry = flash_api.default()._plans[slot]
     out = q[:, 0].clone()
     noop = lambda q, k, v, **kwargs: out  # noqa: E731
-    flash_api._plans[slot] = entry[:-1] + ((entry[-1][0], noop),)
+    flash_api.default()._plans[slot] = entry[:-1] + ((entry[-1][0], noop),)
     q2 = q[:, 0]
     api, direct = per_call_us(call), per_call_us(lambda: noop(q2, kc, vc))
     print(f"flash_attn_with_kvcache: {api:.2f} us per call, no-op run alone {direct:.2f} us: overhead "
@@ -50,8 +50,8 @@ def main() -> None:
     cu = torch.arange(0, 8 * 128 + 1, 128, dtype=torch.int32)
     call = lambda: attnsel.flash_attn_varlen_func(tq, tk, tv, cu, cu, 128, 128, causal=True)  # noqa: E731
     call()
-    slot = next(s for s in flash_api._plans if s[0] == "prefill")
-    flash_api._plans[slot] = flash_api._plans[slot][:-1] + (noop,)
+    slot = next(s for s in flash_api.default()._plans if s[0] == "prefill")
+    flash_api.default()._plans[slot] = flash_api.default()._plans[slot][:-1] + (noop,)
     api, direct = per_call_us(call), per_call_us(lambda: noop(tq, tk, tv))
     print(f"flash_attn_varlen_func: {api:.2f} us per call, no-op run alone {direct:.2f} us: overhead "
           f"{api - direct:.2f} us")

@@ -72,7 +72,7 @@ def paired(direct, call) -> dict:
 
 def _last_plan(phase: str):
     """The plan the FA3-compatible call of this phase stored (one spec per run of this script)."""
-    return next(entry[-1] for slot, entry in flash_api._plans.items() if slot[0] == phase)
+    return next(entry[-1] for slot, entry in flash_api.default()._plans.items() if slot[0] == phase)
 
 
 def decode_case(batch: int, ctx: int, hq=32, hk=8, d=128, ps=16, append=False) -> dict:
@@ -120,15 +120,15 @@ def body_us(phase: str, call, q2, kc, vc) -> dict:
     """The call's own host time on this host's CPU with CUDA tensors: the stored plan's run replaced by a no-op, in a
     tight loop (warm caches) against the no-op alone; the rest of a measured overhead is the body's cost between real
     launches (cold caches)."""
-    slot = next(s for s in flash_api._plans if s[0] == phase)
-    entry = flash_api._plans[slot]
+    slot = next(s for s in flash_api.default()._plans if s[0] == phase)
+    entry = flash_api.default()._plans[slot]
     out = q2.clone()
     noop = lambda q, k, v, **kwargs: out  # noqa: E731
-    flash_api._plans[slot] = entry[:-1] + (((entry[-1][0], noop) if phase == "decode" else noop),)
+    flash_api.default()._plans[slot] = entry[:-1] + (((entry[-1][0], noop) if phase == "decode" else noop),)
     try:
         api, alone = loop_us(call, 5000), loop_us(lambda: noop(q2, kc, vc), 5000)
     finally:
-        flash_api._plans[slot] = entry
+        flash_api.default()._plans[slot] = entry
     return {"api_noop_us": api, "noop_us": alone, "body_us": round(api - alone, 3)}
 
 
@@ -180,11 +180,11 @@ def breakdown(hq=32, hk=8, d=128, ps=16) -> dict:
     sel = flash_api.selection_for(AttentionSpec(hq, hk, d, "bf16", page_size=ps), q.device)
     table = torch.arange(8 * 130, device=dev, dtype=torch.int32).view(8, 130)
     run = sel.plan_decode(table, seqlens)
-    from attnsel.selection import plan_is_current
+    from attnsel.run_checks import plan_is_current
     return {"is_current_stream_capturing": loop_us(torch.cuda.is_current_stream_capturing),
             "q.squeeze(1)": loop_us(lambda: q.squeeze(1)), "unsqueeze(1)": loop_us(lambda: out.unsqueeze(1)),
             "q.device": loop_us(lambda: q.device), "tensor._version": loop_us(lambda: seqlens._version),
-            "_resolve": loop_us(lambda: flash_api._resolve("flash_attn_with_kvcache", q, kc, kc, q.shape, kc.shape,
+            "_resolve": loop_us(lambda: flash_api.default()._resolve("flash_attn_with_kvcache", q, kc, kc, q.shape, kc.shape,
                                                            ps, None, True, None, None, False)),
             "plan_is_current": loop_us(lambda: plan_is_current(run)),
             "shape checks": loop_us(lambda: (q.dim() != 4 or q.shape[1] != 1, kc.dim(), kc.shape == kc.shape,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnsel import bench  # noqa: E402
-from attnsel.selection import DispatchTable  # noqa: E402
+from attnsel.dispatch import DispatchTable  # noqa: E402
 from attnsel.spec import AttentionSpec  # noqa: E402
 
 WITHIN = bench.WITHIN

@@ -8,7 +8,7 @@ import multiprocessing as mp
 
 import pytest
 
-import attnsel.selection as select_mod
+import attnsel.selector as select_mod
 from attnsel import select
 from attnsel.cache import SCHEMA, ResultCache
 from attnsel.spec import AttentionSpec

@@ -85,7 +85,7 @@ def test_served_reference_is_the_validation_reference(spec):
     refs = served.reference(spec, snap)
     assert torch.equal(refs.ref, dec.ref)
     assert served.judge(spec, snap, refs)["status"] == "valid"
-    snap.out[3] += 0.5
+    snap.out[3] += 5.0  # past any row's tolerance (an fp8 cache's rows allow up to ~0.9 on outputs of ~2)
     verdict = served.judge(spec, snap, refs)
     assert verdict["status"] == "rejected" and "in sequence 3 (seq_len 9)" in verdict["reason"]
     pre = prefill_case(spec, CPU, lengths=([3, 1, 6], [3, 4, 6]))
@@ -234,8 +234,7 @@ def test_settings_are_checked_at_start_up(monkeypatch):
             select(SPEC, "torch", "torch", canary_every=value, device="cpu")
     for raw in ("ten", "-3", "1.5"):
         monkeypatch.setenv("ATTNSEL_CANARY", raw)
-        with pytest.raises(ValueError, match=rf"\$ATTNSEL_CANARY must be 0 \(off\) or a whole number of plans N.*"
-                                             rf"got '{raw}'"):
+        with pytest.raises(ValueError, match=rf"ATTNSEL_CANARY='{raw}': expected a whole number >= 0"):
             select(SPEC, "torch", "torch", device="cpu")
     monkeypatch.setenv("ATTNSEL_CANARY", "0")
     assert canary_mod.every_from(None) == 0

@@ -12,7 +12,7 @@ from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.backends.torch_sdpa import TorchBackend
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
-from attnsel.validate import cases, yardstick
+from attnsel.validate import cases, spot, yardstick
 from tests.fixtures import fault_numerics as faults
 
 CPU = torch.device("cpu")
@@ -327,13 +327,13 @@ def test_spot_check_passes_right_outputs_and_names_a_wrong_row(phase, shape):
     plan_args, sets = bucket_grid.rotated_workloads(SPEC, phase, shape, CPU)
     plan = TORCH.plan_prefill if phase == "prefill" else TORCH.plan_decode
     out = plan(SPEC, *plan_args)(*sets[0])
-    assert cases.spot_check(SPEC, phase, plan_args, sets[0], out, {}) is None
+    assert spot.spot_check(SPEC, phase, plan_args, sets[0], out, {}) is None
     bad = out.clone()
     bad[-1, 0, 0] += 0.5
-    reason = cases.spot_check(SPEC, phase, plan_args, sets[0], bad, {})
+    reason = spot.spot_check(SPEC, phase, plan_args, sets[0], bad, {})
     assert reason and "exceeds tolerance" in reason and f"row {out.shape[0] - 1}" in reason
     bad[0] = float("nan")
-    assert "NaN or inf" in cases.spot_check(SPEC, phase, plan_args, sets[0], bad, {})
+    assert "NaN or inf" in spot.spot_check(SPEC, phase, plan_args, sets[0], bad, {})
 
 
 # --- issue 11 item 2: every feature in the reference and the cases --------------------------------------------------

@@ -440,10 +440,11 @@ def test_a_bad_flashinfer_workspace_variable_is_refused_without_flashinfer(capsy
     monkeypatch.setenv("ATTNSEL_FLASHINFER_WORKSPACE_MB", "lots")
     code, _, err = run(capsys, "report", *SMALL, "--prefill-backend", "torch", "--decode-backend", "torch")
     assert code == 2
-    assert "ATTNSEL_FLASHINFER_WORKSPACE_MB must be a whole number of MiB, got 'lots'" in " ".join(err.split())
+    assert "ATTNSEL_FLASHINFER_WORKSPACE_MB='lots': expected a whole number of MiB, at least 8" in " ".join(err.split())
     monkeypatch.setenv("ATTNSEL_FLASHINFER_WORKSPACE_MB", "4")
     code, _, err = run(capsys, "report", *SMALL, "--policy", "priority")
-    assert code == 2 and "must be at least 8 (MiB), got 4" in " ".join(err.split())
+    assert code == 2 and "ATTNSEL_FLASHINFER_WORKSPACE_MB='4': expected a whole number of MiB, at least 8" in \
+        " ".join(err.split())
 
 
 def test_a_bad_validation_timeout_variable_is_refused_even_on_a_cache_hit(capsys, monkeypatch):
@@ -453,7 +454,8 @@ def test_a_bad_validation_timeout_variable_is_refused_even_on_a_cache_hit(capsys
     monkeypatch.setenv("ATTNSEL_VALIDATION_TIMEOUT", "soon")
     spawned = runner.spawn_count
     code, _, err = run(capsys, "report", *SMALL, "--policy", "priority")
-    assert code == 2 and "ATTNSEL_VALIDATION_TIMEOUT must be a number of seconds, got 'soon'" in " ".join(err.split())
+    assert code == 2 and "ATTNSEL_VALIDATION_TIMEOUT='soon': expected a positive number of seconds" in \
+        " ".join(err.split())
     assert runner.spawn_count == spawned  # refused before a worker started
 
 
@@ -463,7 +465,8 @@ def test_a_bad_check_timeout_variable_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.setenv("ATTNSEL_CHECK_TIMEOUT_S", "abc")
     code, out, err = run(capsys, "report", *SMALL, "--policy", "priority", "--no-cache")
     assert code == 2 and out == ""
-    assert err.strip() == "attnsel: error: ATTNSEL_CHECK_TIMEOUT_S must be a number of seconds, got 'abc'"
+    assert err.strip() == ("attnsel: error: ATTNSEL_CHECK_TIMEOUT_S='abc': expected a positive number of seconds "
+                           "(inf: no limit; default 10)")
 
 
 @pytest.mark.parametrize("via", ["env", "flag"])
@@ -540,3 +543,48 @@ def test_flag_errors_do_not_say_none(capsys, flag, value, expected):
     """The spec's messages say "must be None or ..." (Python's words); a command line has no None."""
     code, _, err = run(capsys, "report", *SMALL, flag, value)
     assert code == 2 and " ".join(err.split()) == f"attnsel: error: {expected}"
+
+
+def test_an_internal_error_is_a_traceback_not_bad_input(monkeypatch):
+    """Only attnsel's own errors (SpecError, SettingsError, UnknownBackendError, ...) are bad input (exit 2): a
+    ValueError from attnsel's own code or a library is a bug and keeps its traceback (main() re-raises it; a process
+    exits 1). Before, every ValueError was printed as one line, exit 2, and the bug was hidden."""
+    import attnsel.cli as cli
+
+    def broken(args, out):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(cli, "cmd_cache", broken)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(["cache", "path"])
+
+
+def test_an_internal_error_in_a_process_exits_1_with_its_traceback(tmp_path):
+    script = ("import sys, attnsel.cli as cli\n"
+              "def broken(args, out):\n"
+              "    raise ValueError('an internal invariant broke')\n"
+              "cli.cmd_cache = broken\n"
+              "sys.exit(cli.main(['cache', 'path']))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, ATTNSEL_CACHE_DIR=str(tmp_path)))
+    assert run.returncode == 1 and run.stdout == ""
+    assert "Traceback (most recent call last)" in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == "ValueError: an internal invariant broke"
+    assert "attnsel: error:" not in run.stderr
+
+
+def test_attnsel_errors_are_one_line_exit_2(capsys, monkeypatch):
+    """The other side: each of attnsel's own error types raised by a command is one line, exit 2."""
+    import attnsel.cli as cli
+    from attnsel.dist import AgreementError
+    from attnsel.errors import InvalidArgument
+    from attnsel.flash_masks import UnsupportedArgument
+    from attnsel.settings import SettingsError
+    from attnsel.spec import SpecError
+
+    for error in (SpecError("bad spec"), backends.UnknownBackendError("bad name"), InvalidArgument("bad argument"),
+                  SettingsError("ATTNSEL_CANARY", "x", "a whole number"), UnsupportedArgument("bad flash argument"),
+                  AgreementError("ranks differ"), cli.UsageError("bad flag")):
+        monkeypatch.setattr(cli, "cmd_cache", lambda args, out, error=error: (_ for _ in ()).throw(error))
+        code, out, err = run(capsys, "cache", "path")
+        assert code == 2 and out == "" and err.strip() == f"attnsel: error: {error}"

@@ -84,7 +84,7 @@ def test_varlen_matches_reference_gqa(monkeypatch, backend, dtype, tol):
     ref = reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), LENS_Q, LENS_K, 16 ** -0.5)
     err = (out.float().cpu() - ref).abs().max().item()
     assert err < tol, err
-    sel = next(iter(flash_api._specs.values()))[1]
+    sel = next(iter(flash_api.default()._specs.values()))[1]
     assert sel.prefill == backend
 
 
@@ -137,9 +137,9 @@ def test_plan_reused_within_step_and_remade_after_a_write(monkeypatch):
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     q, k, v, cu_q, cu_k = ragged([4, 4], [4, 4], 2, 2, 8, torch.float32, seed=2)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
-    plan = flash_api._plans[next(iter(flash_api._plans))][-1]
+    plan = flash_api.default()._plans[next(iter(flash_api.default()._plans))][-1]
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
-    assert flash_api._plans[next(iter(flash_api._plans))][-1] is plan
+    assert flash_api.default()._plans[next(iter(flash_api.default()._plans))][-1] is plan
     cu_q[1], cu_k[1] = 2, 2  # same tensors, new lengths [2, 6]
     out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)  # same host bounds
     ref = reference(q.cpu(), k.cpu(), v.cpu(), [2, 6], [2, 6], 8 ** -0.5)
@@ -225,7 +225,7 @@ class Recorder:
 
 def test_features_map_onto_the_spec(monkeypatch):
     rec = Recorder()
-    monkeypatch.setattr(flash_api, "selection_for", rec)
+    monkeypatch.setattr(flash_api.default(), "selection_for", rec)
     q, k, v, cu_q, cu_k = ragged([3], [3], 4, 2, 16, torch.bfloat16)
     sinks = torch.zeros(4)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, window_size=(7, 7), softcap=30.0,
@@ -289,7 +289,7 @@ def test_a_window_size_that_is_not_a_pair_of_ints_is_named(monkeypatch, window):
 ])
 def test_unsupported_argument_is_named(monkeypatch, func, kwargs, name):
     rec = Recorder()
-    monkeypatch.setattr(flash_api, "selection_for", rec)
+    monkeypatch.setattr(flash_api.default(), "selection_for", rec)
     if func == "varlen":
         q, k, v, cu_q, cu_k = ragged([3], [3], 2, 2, 8, torch.float32)
         with pytest.raises(UnsupportedArgument, match=name.replace("(", r"\(").replace(")", r"\)")):
@@ -320,7 +320,7 @@ def test_kvcache_dispatches_on_the_real_context_not_the_page_tables_width(monkey
                            "decode": PhaseChoice("rec_b", "auto", [], build_table(measured("decode", "eager", cells),
                                                                                   ["rec_a", "rec_b"]))},
                     "measure", "eager", "off", {}, {})
-    monkeypatch.setattr(flash_api, "selection_for", lambda s, device: sel)
+    monkeypatch.setattr(flash_api.default(), "selection_for", lambda s, device: sel)
     kc = torch.randn(600, 16, 2, 64)
     vc = torch.randn_like(kc)
     got = []
@@ -335,7 +335,7 @@ def test_kvcache_dispatches_on_the_real_context_not_the_page_tables_width(monkey
 
 
 def test_more_than_one_query_token_is_refused(monkeypatch):
-    monkeypatch.setattr(flash_api, "selection_for", Recorder())
+    monkeypatch.setattr(flash_api.default(), "selection_for", Recorder())
     with pytest.raises(UnsupportedArgument, match="one query token"):
         attnsel.flash_attn_with_kvcache(torch.zeros(1, 2, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
                                         cache_seqlens=torch.tensor([3], dtype=torch.int32),
@@ -469,19 +469,19 @@ def test_plans_made_during_capture_outlive_the_plan_cache(monkeypatch):
 
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
-    monkeypatch.setattr(flash_api, "_captured", [], raising=False)
+    monkeypatch.setattr(flash_api.default(), "_captured", [])
     real = flash_api.select  # captured calls ask for mode "graph", which needs CUDA: an eager one stands in
     monkeypatch.setattr(flash_api, "select", lambda *a, mode="eager", **kw: real(*a, **kw))
     q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 2, 1, 8, torch.float32, seed=9)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)  # selects outside capture
     monkeypatch.setattr(flash_api, "_capturing", lambda t: True)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)
-    captured = weakref.ref(flash_api._plans[next(iter(flash_api._plans))][-1])
+    captured = weakref.ref(flash_api.default()._plans[next(iter(flash_api.default()._plans))][-1])
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)  # replans, replacing it in the cache
     flash_api.configure(policy="priority")
     import gc
     gc.collect()
-    assert captured() is not None and len(flash_api._captured) == 2
+    assert captured() is not None and len(flash_api.default()._captured) == 2
 
 
 def _after_first_plan(monkeypatch, method: str, action) -> list:
@@ -511,8 +511,8 @@ def test_first_calls_racing_in_two_threads_give_no_slot_to_another_spec(monkeypa
 
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
-    real = flash_api.selection_for
-    monkeypatch.setattr(flash_api, "selection_for", lambda spec, device: time.sleep(0.3) or real(spec, device))
+    real = flash_api.default().selection_for
+    monkeypatch.setattr(flash_api.default(), "selection_for", lambda spec, device: time.sleep(0.3) or real(spec, device))
     call, refs = _window_step(5)
     threads = [threading.Thread(target=call, args=(None,)) for _ in range(2)]
     for t in threads:
@@ -547,7 +547,7 @@ def test_softmax_scale_must_be_a_positive_float(monkeypatch, scale):
     for _ in range(3):
         with pytest.raises(ValueError, match="softmax_scale must be None .* positive finite Python float"):
             attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softmax_scale=scale)
-    assert not flash_api._specs and not flash_api._plans
+    assert not flash_api.default()._specs and not flash_api.default()._plans
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softmax_scale=1)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, softmax_scale=0.25)
     with pytest.raises(ValueError, match="softmax_scale must be None"):
@@ -566,7 +566,7 @@ def test_softmax_scale_takes_any_real_number(monkeypatch):
     for scale in (np.float32(0.5), 0.5, np.float64(0.5)):  # numpy first: a float first would make it a memo hit
         out = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, softmax_scale=scale)
         assert (out.cpu() - ref).abs().max().item() < 1e-5
-    assert len({entry[0] for entry in flash_api._specs.values()}) == 1 and len(flash_api._specs) == 1
+    assert len({entry[0] for entry in flash_api.default()._specs.values()}) == 1 and len(flash_api.default()._specs) == 1
 
 
 def test_a_write_to_the_metadata_during_planning_is_seen(monkeypatch):
@@ -592,7 +592,7 @@ def test_calls_under_inference_mode_are_right_and_plan_each_call(monkeypatch, ca
     (an in-place rewrite of cu_seqlens must still give the right answer), and say why once."""
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
-    monkeypatch.setattr(flash_api, "_no_versions_logged", [])
+    monkeypatch.setattr(flash_api.default(), "_no_versions_logged", False)
     plans = []
     real = attnsel.Selection.plan_prefill
     monkeypatch.setattr(attnsel.Selection, "plan_prefill", lambda self, *a, **kw: plans.append(1) or real(self, *a, **kw))
@@ -844,17 +844,17 @@ def test_a_reset_during_the_checks_is_not_undone_by_the_memo(monkeypatch):
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     q, k, v, cu_q, cu_k = ragged([2, 3], [2, 3], 4, 2, 8, torch.float32)
-    real = flash_api._resolve
+    real = flash_api.default()._resolve
 
     def reset_meanwhile(*args, **kwargs):
         found = real(*args, **kwargs)
-        monkeypatch.setattr(flash_api, "_resolve", real)
+        monkeypatch.setattr(flash_api.default(), "_resolve", real)
         flash_api.configure(policy="priority")  # another thread reconfigures here
         return found
 
-    monkeypatch.setattr(flash_api, "_resolve", reset_meanwhile)
+    monkeypatch.setattr(flash_api.default(), "_resolve", reset_meanwhile)
     attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True)
-    assert not flash_api._calls and not flash_api._selections
+    assert not flash_api.default()._calls and not flash_api.default()._selections
 
 
 @pytest.mark.parametrize("change, error", [
@@ -915,3 +915,34 @@ def test_softcap_false_means_no_cap_with_or_without_a_window(monkeypatch):
         plain = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, window_size=window)
         off = attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, window_size=window, softcap=False)
         torch.testing.assert_close(off, plain)
+
+
+def test_state_lives_in_instances_an_engine_can_hold(monkeypatch):
+    """No mutable state at module level: options, selections, the call memo and plans belong to a FlashAttention;
+    an engine's own instance is independent of the module functions' default one (and of another engine's)."""
+    import inspect
+
+    assert mutable_globals(flash_api) == []
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    mine, other = flash_api.FlashAttention(policy="priority"), flash_api.FlashAttention(prefill="torch")
+    q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 4, 2, 8, torch.float32)
+    out = mine.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)
+    ref = flash_api.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)  # the default instance
+    assert torch.equal(out, ref)
+    assert len(mine._plans) == 1 and not other._plans and not other._selections
+    assert mine.options == {"policy": "priority"} and other.options == {"prefill": "torch"}
+    assert flash_api.default() is flash_api.default() and flash_api.default() not in (mine, other)
+    assert attnsel.flash_attn_varlen_func.__self__ is flash_api.default()  # its methods: no delegation per call
+    assert "softmax_scale" in inspect.signature(attnsel.flash_attn_with_kvcache).parameters  # FA3's signature
+
+
+def mutable_globals(module) -> list[str]:
+    """The names a module assigns at its top level to a dict, list or set (imported names are not its state)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    names = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    return [n for n in names if isinstance(getattr(module, n), (dict, list, set))]

@@ -36,7 +36,7 @@ def fake_flashinfer(monkeypatch):
     module = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeDecodeWrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(fi, "_pools", {}, raising=False)
-    monkeypatch.setenv(fi.WORKSPACE_ENV, "8")
+    monkeypatch.setenv("ATTNSEL_FLASHINFER_WORKSPACE_MB", "8")
     return module
 
 

@@ -13,7 +13,7 @@ import torch
 
 from attnsel.backends import BUILTINS, get
 from attnsel.spec import AttentionSpec
-from attnsel.validate import cases
+from attnsel.validate import cases, spot
 from attnsel.validate.cases import check_output
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -270,7 +270,7 @@ def test_decode_plan_reused_many_times_eager_and_graph(name, shape):
     run = backend.plan_decode(spec, page_table, seq_lens)
     for _ in range(2):
         for i, s in enumerate(sets[:4]):
-            reason = cases.spot_check(spec, "decode", (page_table, seq_lens), s, run(*s), {})
+            reason = spot.spot_check(spec, "decode", (page_table, seq_lens), s, run(*s), {})
             assert reason is None, f"{name} eager, set {i}: {reason}"
     graph, outs = timing.capture(run, sets, device)  # the calls back to back, as the timing replays them
     for _ in range(2):
@@ -279,7 +279,7 @@ def test_decode_plan_reused_many_times_eager_and_graph(name, shape):
         graph.replay()
         torch.cuda.synchronize()
         for i, (s, out) in enumerate(zip(sets, outs)):
-            reason = cases.spot_check(spec, "decode", (page_table, seq_lens), s, out, {})
+            reason = spot.spot_check(spec, "decode", (page_table, seq_lens), s, out, {})
             assert reason is None, f"{name} graph replay, set {i}: {reason}"
     _record(spec="reuse", backend=name, phase="decode", shape=list(shape), result="ok")
 

@@ -110,7 +110,7 @@ def test_triton_kernels_in_the_dense_path(saved, monkeypatch):
     a = ref(input_ids=step, attention_mask=mask2, past_key_values=out.past_key_values).logits
     b = ours(input_ids=step, attention_mask=mask2, past_key_values=ours_out.past_key_values).logits
     torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
-    assert any(p.decode for p in hf._dense_steps.plans.values())  # the one-token step used the paged decode API
+    assert any(p.decode for p in hf.default().dense_steps.plans.values())  # the one-token step used the paged decode API
     assert hf.fallbacks() == {}
 
 
@@ -387,3 +387,29 @@ def test_no_continuous_batching_route_is_a_warning_not_an_error(monkeypatch, cap
     assert any("no continuous batching" in m and "5.30.0" in m and "is not the known" in m for m in warned), warned
     with pytest.raises(RuntimeError, match="is not the known"):
         hf_kernels.register()
+
+
+def test_registration_state_lives_in_an_object():
+    """No mutable state at module level: options, selections, counts and step plans belong to an HFAttention; the
+    registered functions use the default instance, which register() configures (and counts from zero again)."""
+    assert mutable_globals(hf) == []
+    state = hf.default()
+    hf.register("torch", "torch", policy="priority")
+    assert hf.default() is state and state.options == {"policy": "priority", "prefill": "torch", "decode": "torch"}
+    state.counts.fall_back("a reason")
+    assert hf.fallbacks() == {"a reason": 1}
+    generation = state.generation
+    hf.register()
+    assert hf.fallbacks() == {} and state.options == {} and state.generation == generation + 1
+    assert hf.HFAttention().options == {} and hf.HFAttention().counts is not state.counts
+
+
+def mutable_globals(module) -> list[str]:
+    """The names a module assigns at its top level to a dict, list or set (imported names are not its state)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    names = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    return [n for n in names if isinstance(getattr(module, n), (dict, list, set))]

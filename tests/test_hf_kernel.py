@@ -45,7 +45,7 @@ def test_generate_with_padding_matches_sdpa(tiny_llama):
     ours = load(tiny_llama, hf_kernels.KERNEL_NAME)
     assert ours.config._attn_implementation == hf_kernels.KERNEL_NAME
     assert torch.equal(load(tiny_llama, "sdpa").generate(input_ids=ids, **gen), ours.generate(input_ids=ids, **gen))
-    assert any(key[0] == "prefill" for key in flash_api._plans)  # the varlen calls went through attnsel
+    assert any(key[0] == "prefill" for key in flash_api.default()._plans)  # the varlen calls went through attnsel
     kernel = sys.modules["_attnsel_flash_attn"]  # what kernels imported from the local repository
     assert kernel.flash_attn_varlen_func is hf_kernels.flash_attn_varlen_func
 
@@ -62,7 +62,7 @@ def test_generate_batch_matches_builtin(tiny_llama):
     model = load(tiny_llama, hf_kernels.KERNEL_NAME)
     assert tokens(model) == expected
     assert model.config._attn_implementation == hf_kernels.KERNEL_NAME
-    assert any(key[0] == "prefill" for key in flash_api._plans)
+    assert any(key[0] == "prefill" for key in flash_api.default()._plans)
 
 
 def test_a_fresh_process_needs_only_the_environment(tiny_llama):
@@ -74,7 +74,8 @@ def test_a_fresh_process_needs_only_the_environment(tiny_llama):
         "dtype=torch.float32).eval()\n"
         "out = m.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, do_sample=False, pad_token_id=0)\n"
         "from attnsel import flash_api\n"
-        "print(json.dumps({'tokens': out.tolist(), 'options': flash_api._options, 'plans': len(flash_api._plans),"
+        "fa = flash_api.default()\n"
+        "print(json.dumps({'tokens': out.tolist(), 'options': fa.options, 'plans': len(fa._plans),"
         " 'kernel': sys.modules['_attnsel_flash_attn'].__file__}))\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-c", script, tiny_llama], env=env, capture_output=True, text=True,

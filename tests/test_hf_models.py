@@ -125,7 +125,7 @@ def test_family_is_served_exactly(kind):
     ref, ours = pair(kind)
     assert_same_model_outputs(ref, ours)
     assert hf.fallbacks() == {}
-    kinds = {(s.sliding_window, s.softcap, s.sinks, s.softmax_scale) for s, _ in hf._selections}
+    kinds = {(s.sliding_window, s.softcap, s.sinks, s.softmax_scale) for s, _ in hf.default().selections}
     assert len(kinds) == (1 if kind == "mistral" else 2)  # one spec per layer kind
 
 

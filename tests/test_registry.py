@@ -49,14 +49,14 @@ def test_entry_point_plugin(tmp_path, monkeypatch):
     (dist / "entry_points.txt").write_text("[attnsel.backends]\nwrong = tests.fixtures.fault_backends:WRONG_PREFILL\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ['PYTHONPATH']}")
-    backends._cache.clear()
+    backends._registry.cache_clear()
     try:
         assert "wrong_prefill" in backends.names()
         sel = select(AttentionSpec(4, 2, 64, "fp16"), policy="priority")
         cand = {c.name: c for c in sel.candidates["prefill"]}["wrong_prefill"]
         assert cand.status == "rejected" and "exceeds tolerance" in cand.reason
     finally:
-        backends._cache.clear()
+        backends._registry.cache_clear()
 
 
 def test_flashinfer_stale_run_function_raises():
@@ -170,7 +170,7 @@ def test_selection_checks_the_device_it_selects_for(monkeypatch):
 
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:DEVICE_AWARE")
     DEVICE_AWARE.seen.clear()
-    backends._cache.clear()
+    backends._registry.cache_clear()
     sel = select(AttentionSpec(4, 2, 64, "fp16"), policy="priority", prefill_priority=["device_aware"],
                  decode_priority=["torch"], device="cpu")
     assert sel.prefill == "device_aware"

@@ -13,7 +13,7 @@ from attnsel.backends import BUILTINS, get
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
-from attnsel.validate import cases
+from attnsel.validate import cases, spot
 from tests.fixtures import fault_numerics as faults
 
 CPU = torch.device("cpu")
@@ -90,7 +90,7 @@ def test_the_timing_spot_check_judges_each_sampled_row(phase):
     for backend in (TORCH, DROP_LAST_KEYS):
         plan = backend.plan_prefill if phase == "prefill" else backend.plan_decode
         out = plan(spec, *plan_args)(*inputs)
-        reason = cases.spot_check(spec, phase, plan_args, inputs, out, {})
+        reason = spot.spot_check(spec, phase, plan_args, inputs, out, {})
         if backend is TORCH:
             assert reason is None
         else:
@@ -207,3 +207,54 @@ def test_the_faults_are_rejected_on_the_gpu_cases(phase):
         assert judge(TORCH, spec, case)["status"] == "valid"
         result = judge(fault, spec, case)
         assert result["status"] == "rejected" and "exceeds tolerance" in result["reason"], result
+
+
+# --- an fp8 KV cache: a kernel that runs both products in fp8 (FA3) is right; one that drops the scale is not ------
+
+class Fp8Products:
+    """FA3's fp8-cache decode emulated on the CPU: q quantised to e4m3 per sequence and KV-head group (fa3.quantize_q),
+    P rounded to e4m3 before P @ V, everything else in float32. ``k_scale_ignored``: a fault that reads the stored
+    keys as real values."""
+    name = "fp8_products"
+
+    def __init__(self, k_scale_ignored=False):
+        self.k_scale_ignored = k_scale_ignored
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        from attnsel.backends.fa3 import quantize_q
+
+        lens, ps = seq_lens.tolist(), spec.page_size
+
+        def run(q, k_cache, v_cache, *, k_scale=None, v_scale=None, sinks=None):
+            q8, q_scale = quantize_q(q, spec.num_kv_heads)
+            group = spec.num_q_heads // spec.num_kv_heads
+            qd = (q8.float().view(q.shape[0], spec.num_kv_heads, group, -1) * q_scale[:, :, None, None])
+            qd = qd.view(q.shape)
+            out = torch.zeros(q.shape, dtype=torch.float32)
+            for b, n in enumerate(lens):
+                if n == 0:
+                    continue
+                pages = page_table[b, :-(-n // ps)].long()
+                k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n].float()
+                v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n].float() * v_scale.float()
+                k = k if self.k_scale_ignored else k * k_scale.float()
+                scores = torch.einsum("hd,khd->hk", qd[b], k.repeat_interleave(group, 1)) * spec.scale
+                if spec.sliding_window is not None:
+                    scores[:, :max(0, n - spec.sliding_window)] = float("-inf")
+                top = scores.amax(-1, keepdim=True)
+                w = torch.exp(scores - top)
+                p = w.to(torch.float8_e4m3fn).float() / w.sum(-1, keepdim=True)
+                out[b] = torch.einsum("hk,khd->hd", p, v.repeat_interleave(group, 1))
+            return out.to(q.dtype)
+
+        return run
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_an_fp8_cache_kernel_with_fp8_products_passes_and_a_dropped_scale_is_rejected(window):
+    spec = AttentionSpec(**LLAMA3_8B, dtype="bf16", page_size=16, kv_dtype="fp8_e4m3", sliding_window=window)
+    case = cases.decode_case(spec, CPU, lengths=cases.decode_lengths(spec, CUDA)[0])
+    assert judge(Fp8Products(), spec, case)["status"] == "valid"
+    assert judge(TORCH, spec, case)["status"] == "valid"
+    wrong = judge(Fp8Products(k_scale_ignored=True), spec, case)
+    assert wrong["status"] == "rejected" and "exceeds tolerance" in wrong["reason"]

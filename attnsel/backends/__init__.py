@@ -6,6 +6,7 @@ is kept as an unavailable backend whose reason is the import error, so reports s
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -19,7 +20,9 @@ from typing import Callable, Literal, Protocol, runtime_checkable
 
 import torch
 
+from .. import settings
 from ..device import source_hash
+from ..errors import AttnselError
 from ..spec import AttentionSpec
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,6 @@ BUILTINS: dict[str, str] = {
     "flashinfer_fa3": "attnsel.backends.flashinfer:BACKEND_FA3",
     "flashinfer_xqa": "attnsel.backends.flashinfer_xqa:BACKEND",
 }
-ENV_PLUGINS = "ATTNSEL_BACKENDS"
 ENTRY_POINT_GROUP = "attnsel.backends"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
@@ -94,7 +96,7 @@ class Backend(Protocol):
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn: ...
 
 
-class UnknownBackendError(ValueError):
+class UnknownBackendError(AttnselError, ValueError):
     """A backend name that is not registered; the message lists the valid names."""
 
 
@@ -136,27 +138,27 @@ def _as_backends(obj, origin: str) -> list:
     return items
 
 
-def _plugin_targets() -> list[tuple[str, Callable[[], object]]]:
+def _plugin_targets(env_targets: tuple[str, ...]) -> list[tuple[str, Callable[[], object]]]:
     targets: list[tuple[str, Callable[[], object]]] = []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         targets.append((f"entry point {ep.name} ({ep.value})", ep.load))
-    for target in filter(None, (t.strip() for t in os.environ.get(ENV_PLUGINS, "").split(","))):
+    for target in env_targets:
         targets.append((target, lambda t=target: _load_object(t)))
     return targets
 
 
-_cache: dict[str, dict] = {}
-
-
 def registry() -> dict[str, Backend]:
     """All backends by name: built-ins first (BUILTINS order), then plugins; re-read when ATTNSEL_BACKENDS changes."""
-    key = os.environ.get(ENV_PLUGINS, "")
-    if key in _cache:
-        return _cache[key]
+    return _registry(settings.read("backends"))
+
+
+@functools.cache
+def _registry(env_targets: tuple[str, ...]) -> dict[str, Backend]:
+    """The registry for one value of ATTNSEL_BACKENDS, loaded once (a plugin's import runs once per value)."""
     backends: dict[str, Backend] = {}
     for name, target in BUILTINS.items():
         backends[name] = _load_object(target)
-    for origin, load in _plugin_targets():
+    for origin, load in _plugin_targets(env_targets):
         try:
             items = _as_backends(load(), origin)
         except Exception as exc:
@@ -170,7 +172,6 @@ def registry() -> dict[str, Backend]:
                 log.warning("plugin %s: backend name %r is already registered; the plugin replaces it", origin,
                             item.name)
             backends[item.name] = item
-    _cache[key] = backends
     return backends
 
 
@@ -218,10 +219,6 @@ def _one_reason(reason) -> str | None:
     return str(reason) if reason else None
 
 
-CHECK_TIMEOUT_ENV = "ATTNSEL_CHECK_TIMEOUT_S"
-DEFAULT_CHECK_TIMEOUT_S = 10.0
-
-
 class _Hung(Exception):
     """A plugin call in the selecting process did not return in time."""
 
@@ -231,9 +228,7 @@ def _bounded(fn: Callable, name: str, what: str):
     A plugin's cheap parent-side calls (unsupported, version) run in the selecting process, a server's start: one
     that never returns must cost that server a backend, not its start. Python cannot stop the thread: it is left
     running, named after the call. (A call that hangs without releasing the GIL still blocks everything.)"""
-    from ..validate import seconds_from_env
-
-    timeout = seconds_from_env(CHECK_TIMEOUT_ENV, DEFAULT_CHECK_TIMEOUT_S)
+    timeout = settings.read("check_timeout_s")
     box: dict = {}
 
     def target() -> None:
@@ -246,8 +241,8 @@ def _bounded(fn: Callable, name: str, what: str):
     thread.start()
     thread.join(min(timeout, threading.TIMEOUT_MAX))  # "inf" means no limit; join(inf) raises OverflowError
     if thread.is_alive():
-        raise _Hung(f"{name}'s {what} did not return within {timeout:g} s ({CHECK_TIMEOUT_ENV}); it is left "
-                    "running in a background thread and the backend is treated as unavailable")
+        raise _Hung(f"{name}'s {what} did not return within {timeout:g} s ({settings.ENV['check_timeout_s']}); it "
+                    "is left running in a background thread and the backend is treated as unavailable")
     if "error" in box:
         raise box["error"]
     return box["value"]

@@ -1,6 +1,6 @@
 """flashinfer: FlashInfer's ragged prefill and paged decode wrappers (plan once per batch, run per layer).
 
-Variants are separate candidates because their speed differs by shape (up to 1.9x in decode, docs/ARCHITECTURE.md):
+Variants are separate candidates because their speed differs by shape (see the results file):
 ``flashinfer`` (prefill: FlashInfer's own template choice, its FA3 template on Hopper; decode: tensor-core kernels),
 ``flashinfer_cuda_cores`` (decode on CUDA cores), ``flashinfer_fa2`` (prefill on the FA2 template, Hopper only: below
 Hopper it is what ``flashinfer`` runs), ``flashinfer_fa3`` (tensor-core decode on the FA3 template, Hopper only).
@@ -31,6 +31,7 @@ import weakref
 
 import torch
 
+from .. import settings
 from ..device import package_version
 from ..spec import AttentionSpec
 from . import Phase, RunFn
@@ -41,22 +42,13 @@ log = logging.getLogger(__name__)
 
 HEAD_DIMS = (64, 128, 256)
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE in flashinfer/utils.cuh
-WORKSPACE_ENV = "ATTNSEL_FLASHINFER_WORKSPACE_MB"
 SINKS_WHY = ("FlashInfer 0.6.4 takes sinks only in its trtllm-gen (Blackwell) path and in the attention-sink JIT "
              "variant, which attnsel uses for the flashinfer candidate only")
 
 
 def workspace_bytes() -> int:
-    """FlashInfer's float workspace in bytes from $ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128 MiB); ValueError
-    naming the variable for a value that is not a whole number of at least 8."""
-    raw = os.environ.get(WORKSPACE_ENV, "128")
-    try:
-        mb = int(raw)
-    except ValueError:
-        raise ValueError(f"{WORKSPACE_ENV} must be a whole number of MiB, got {raw!r}") from None
-    if mb < 8:
-        raise ValueError(f"{WORKSPACE_ENV} must be at least 8 (MiB), got {mb}")
-    return mb << 20
+    """FlashInfer's float workspace in bytes ($ATTNSEL_FLASHINFER_WORKSPACE_MB, settings.Settings)."""
+    return settings.read("flashinfer_workspace_mb") << 20
 
 
 def jit_cache_dir() -> str:

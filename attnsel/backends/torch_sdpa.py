@@ -159,21 +159,22 @@ class TorchBackend:
         return run
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
-        lens = seq_lens.tolist()
-        if min(lens, default=0) < 0:
-            raise ValueError(f"seq_lens must be >= 0 (0: a padding row with zero output), got {min(lens)}")
-        ps = spec.page_size
-        max_len = max(lens, default=0)
+        ps, window = spec.page_size, spec.sliding_window
         capacity = page_table.shape[1] * ps
-        if max_len > capacity:
-            raise ValueError(f"page_table has {page_table.shape[1]} pages per sequence, too few for {max_len} "
-                             f"tokens at page_size {ps}")
-        window = spec.sliding_window
-        width, captured_width = ((min(max_len, window), min(capacity, window)) if window is not None
-                                 else (max_len, capacity))
+        captured_width = min(capacity, window) if window is not None else capacity
         # eager runs read the slots of this plan's lengths; a run being captured computes them from the lengths and
-        # page table of each replay (the CUDA-graph contract), over the table's whole capacity
-        planned = _slots(spec, page_table, seq_lens, width)
+        # page table of each replay (the CUDA-graph contract), over the table's whole capacity. A plan made during
+        # capture reads nothing on the host: every run of it is captured.
+        planned = None
+        if not capturing(seq_lens):
+            lens = seq_lens.tolist()
+            if min(lens, default=0) < 0:
+                raise ValueError(f"seq_lens must be >= 0 (0: a padding row with zero output), got {min(lens)}")
+            max_len = max(lens, default=0)
+            if max_len > capacity:
+                raise ValueError(f"page_table has {page_table.shape[1]} pages per sequence, too few for {max_len} "
+                                 f"tokens at page_size {ps}")
+            planned = _slots(spec, page_table, seq_lens, min(max_len, window) if window is not None else max_len)
         scale = spec.scale
         use_math = spec.softcap is not None or spec.sinks
         fp8 = spec.kv_dtype is not None
@@ -186,7 +187,8 @@ class TorchBackend:
                                  "(float32 tensors of one element)")
             if not fp8 and (k_scale is not None or v_scale is not None):
                 raise ValueError("k_scale/v_scale were passed but the spec has no fp8 KV cache (kv_dtype=None)")
-            slots, mask, live = (_slots(spec, page_table, seq_lens, captured_width) if capturing(q) else planned)
+            slots, mask, live = (_slots(spec, page_table, seq_lens, captured_width)
+                                 if planned is None or capturing(q) else planned)
             kvh, d = k_cache.shape[-2:]
             dtype = torch.float32 if use_math else q.dtype  # the math path computes in float32 anyway
             k = dequantised(k_cache.reshape(-1, kvh, d)[slots], k_scale, dtype).transpose(1, 2)  # [B, KVH, W, D]

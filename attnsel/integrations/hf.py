@@ -21,38 +21,34 @@ steps go through the paged decode API (the dense cache rows are gathered into pa
 (transformers 5.17): decode-only steps of full-attention layers write the new tokens into transformers' own cache
 tensors and read them in place through a page table derived from its read index; other steps (prefill, sliding
 layers) go through the ragged prefill API on the keys ``cache.update`` gathers.
+
+The state (options, selections, call counts, per-step plans) lives in an ``HFAttention`` object; the functions
+registered with transformers delegate to one default instance, made on first use, which ``register()`` configures.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import math
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from .. import AttentionSpec, Selection, SelectionError, SpecError, select
-from ..selection import plan_is_current
-from .hf_calls import PAGED, CallCounts, sdpa_ignores, unimplemented
+from ..run_checks import plan_is_current
+from ..settings import Settings
+from ..spec import DTYPES, dtype_name
+from . import hf_fallback
+from .hf_calls import PAGED, CallCounts, is_causal, run_inputs, short, unimplemented
+from .hf_fallback import NAME, key_mask
 
 log = logging.getLogger(__name__)
 
-NAME = "attnsel"
 PAGED_NAME = "paged|attnsel"
 PAGED_VERSIONS = ("5.17",)  # custom paged implementations are accepted (5.19 refuses them; 5.18 changed the cache)
 DENSE_PAGE_SIZE = 16
-ENV_PREFILL, ENV_DECODE = "ATTNSEL_PREFILL_BACKEND", "ATTNSEL_DECODE_BACKEND"
-# attnsel's names of the activation dtypes it serves (AttentionSpec.dtype)
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-_options: dict = {}
-_selections: dict = {}
-_counts = CallCounts()  # the calls served and handed back since register() (hf_calls: which arguments hand back)
-_registrations = [0]
-_page_size_override: list = [None]  # select_for_model's page size during its warm-up forward
 
 
 def _transformers_version() -> str:
@@ -70,6 +66,210 @@ def paged_unsupported() -> str | None:
     return None
 
 
+class HFAttention:
+    """The state of attnsel's transformers attention functions: the selection options, the selections per (spec,
+    device), the calls served and handed back (hf_calls), select_for_model's page size during its warm-up, the
+    plans of the current step per path. ``configure`` is ``register``'s reset."""
+
+    def __init__(self) -> None:
+        self.options: dict = {}
+        self.selections: dict = {}
+        self.counts = CallCounts()
+        self.generation = 0  # counts configure(): a module's memo of its calls' selections is keyed by it
+        self.page_size_override: int | None = None
+        self.dense_steps = _StepPlans()
+        self.paged_steps = _StepPlans()
+
+    def configure(self, prefill: str | None = None, decode: str | None = None, **select_options) -> None:
+        """New selection options (prefill/decode: "auto" or a backend name; None: the environment's, else auto):
+        earlier selections and counts are forgotten."""
+        self.options = {**select_options, **{k: v for k, v in (("prefill", prefill), ("decode", decode))
+                                             if v is not None}}
+        self.selections.clear()
+        self.counts.clear()
+        self.generation += 1
+
+    def selection_for(self, spec: AttentionSpec, device: torch.device) -> Selection:
+        """The Selection for a spec on a device, made once (the persistent cache makes later starts fast)."""
+        key = (spec, str(device))
+        if key not in self.selections:
+            env = Settings.from_env()
+            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, **self.options}
+            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
+            log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
+            self.selections[key] = sel
+        return self.selections[key]
+
+    def call_spec(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, dropout: float,
+                  kwargs: dict, page_size: int, plumbing: frozenset = frozenset()) -> tuple[Selection | None, str]:
+        """(selection, "") when attnsel serves this call exactly, else (None, the reason). Remembered per module and
+        call signature, so the hot path is a dict lookup after the first call of each kind."""
+        name = unimplemented(kwargs, plumbing)
+        if name is not None:
+            return None, f"argument {name}={short(kwargs[name])} (not implemented by attnsel)"
+        if kwargs.get("output_attentions"):
+            return None, "output_attentions=True (attention weights)"
+        if not is_causal(module, kwargs):
+            return None, "non-causal attention"
+        if dropout and module.training:
+            return None, f"attention dropout {dropout} in training"
+        window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+        for name, val in (("sliding_window", window), ("softcap", softcap)):
+            if isinstance(val, bool) or (val is not None and not isinstance(val, (int, float))):
+                return None, f"{name}={short(val)} (expected a number or None)"
+        sig = (query.dtype, key.dtype, value.dtype, query.device, query.shape[1], key.shape[1], value.shape[1],
+               query.shape[-1], key.shape[-1], value.shape[-1], scaling, window, softcap,
+               None if sinks is None else (type(sinks), tuple(getattr(sinks, "shape", ()))), page_size,
+               id(self), self.generation)
+        memo = module.__dict__.setdefault("_attnsel_memo", {})
+        if sig not in memo:
+            memo[sig] = self._select_for_call(sig)
+        reason, sel = memo[sig]
+        return sel, reason
+
+    def _select_for_call(self, sig: tuple) -> tuple[str, Selection | None]:
+        """(reason, None) or ("", the Selection) for a call signature of ``call_spec``."""
+        qdt, kdt, vdt, device, hq, hk, hv, dq, dk, dv, scaling, window, softcap, sinks, page_size, _, _ = sig
+        if dk != dq or dv != dq:
+            return f"head dims differ: query {dq}, key {dk}, value {dv} (no attnsel backend serves that)", None
+        if kdt != qdt or vdt != qdt:
+            return f"key/value dtype {kdt}/{vdt} differs from the query's {qdt}", None
+        if qdt not in DTYPES.values():
+            return f"dtype {qdt} (attnsel serves {', '.join(map(str, DTYPES.values()))})", None
+        if hv != hk:
+            return f"key has {hk} heads but value {hv}", None
+        if sinks is not None and (not issubclass(sinks[0], torch.Tensor) or sinks[1] != (hq,)):
+            return f"s_aux of type {sinks[0].__name__} and shape {sinks[1]} (expected a tensor [{hq}])", None
+        scale = None if scaling is None or math.isclose(scaling, dq ** -0.5, rel_tol=1e-6) else float(scaling)
+        try:
+            spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hk, head_dim=dq, dtype=dtype_name(qdt),
+                                 page_size=page_size, softmax_scale=scale, sliding_window=window, softcap=softcap,
+                                 sinks=sinks is not None)
+        except SpecError as exc:
+            return f"the call's attention is not a valid spec: {exc}", None
+        try:
+            return "", self.selection_for(spec, device)
+        except SelectionError as exc:
+            return f"no attnsel backend serves {spec.describe()}: {exc}", None
+
+    def dense_fallback(self, module, query, key, value, attention_mask, scaling, dropout, kwargs, window, reason):
+        """The call handed back to transformers (hf_fallback.dense), counted with its reason."""
+        self.counts.fall_back(reason)
+        return hf_fallback.dense(module, query, key, value, attention_mask, scaling, dropout, kwargs, window)
+
+    def attention_forward(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """transformers attention function: query ``[B, H, Sq, D]``, key/value ``[B, KVH, Skv, D]``; out
+        ``[B, Sq, H, D]``."""
+        batch, _, len_q, _ = query.shape
+        len_kv = key.shape[2]
+        window = kwargs.get("sliding_window")
+        mask_window = getattr(attention_mask, "_attnsel_window", window)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return self.dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window,
+                                       "a 4D attention mask (a custom mask, or a mask pattern attnsel does not serve: "
+                                       "chunked, packed sequences, bidirectional, overlays)")
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != batch
+                                           or not len_q <= attention_mask.shape[1] <= len_kv):
+            raise ValueError(f"{NAME}: attention mask of shape {list(attention_mask.shape)} for a batch of {batch}, "
+                             f"{len_q} queries and {len_kv} keys; expected [{batch}, n] with {len_q} <= n <= {len_kv}")
+        if mask_window != window:
+            return self.dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, mask_window,
+                                       f"the mask's sliding window ({mask_window}) differs from the layer's ({window})")
+        page_size = self.page_size_override or DENSE_PAGE_SIZE
+        sel, why = self.call_spec(module, query, key, value, scaling, dropout, kwargs, page_size)
+        if sel is None:
+            return self.dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, why)
+        plan = self.dense_steps.get(getattr(module, "layer_idx", None),
+                                    (id(attention_mask), batch, len_q, len_kv, id(sel)),
+                                    lambda: _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device),
+                                    query.device)
+        if plan.why:
+            return self.dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window,
+                                       plan.why)
+        self.counts.serve(sel.spec)
+        features = run_inputs(kwargs)
+        k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Skv, KVH, D] views
+        if plan.decode:
+            rows, pos = plan.k_index
+            kvh, d = k.shape[2:]
+            k_pages = k[rows, pos].view(-1, sel.spec.page_size, kvh, d)
+            v_pages = v[rows, pos].view(-1, sel.spec.page_size, kvh, d)
+            out = plan.run(query[:, :, 0].contiguous(), k_pages, v_pages, **features)
+            return out[:, None], None
+        q_rows, q_pos = plan.q_index
+        k_rows, k_pos = plan.k_index
+        packed = plan.run(query.transpose(1, 2)[q_rows, q_pos], k[k_rows, k_pos], v[k_rows, k_pos], **features)
+        out = query.new_zeros(batch, len_q, query.shape[1], query.shape[3])
+        out[q_rows, q_pos] = packed
+        return out, None
+
+    def paged_attention_forward(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                attention_mask: torch.Tensor | None, cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                                max_seqlen_q=None, max_seqlen_k=None, read_index=None, write_index=None,
+                                scaling: float | None = None, dropout: float = 0.0,
+                                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Continuous-batching attention: query ``[1, H, T, D]`` packed, key/value the new tokens; out
+        ``[1, T, H, D]``."""
+        if cache is None:
+            raise ValueError(f"{PAGED_NAME} was called without a paged attention cache: load the model with "
+                             f"attn_implementation='{NAME}' for plain forward/generate calls")
+        if kwargs.get("block_table") is not None:
+            raise ValueError(f"{PAGED_NAME} got a block_table (transformers' flash decode fast path); attnsel reads "
+                             "the cache through read_index/write_index: turn the fast path off "
+                             "(max_blocks_per_request=0)")
+        cache_window = cache.sliding_windows[module.layer_idx]  # 1: a full-attention layer group
+        layer_type = "sliding_attention" if cache_window > 1 else "full_attention"
+        if isinstance(cu_seq_lens_k, dict):
+            cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
+        group, layer_in_group = cache.layer_index_to_group_indices[module.layer_idx]
+        block = cache.block_size
+        window = kwargs.get("sliding_window")
+        sel, why = self.call_spec(module, query, key, value, scaling, dropout, kwargs, block, plumbing=PAGED)
+        if sel is not None and (window or 1) != cache_window:
+            sel, why = None, (f"the layer's sliding window ({window}) differs from its paged cache group's "
+                              f"({cache_window})")
+        if sel is None:
+            self.counts.fall_back(f"{why} (paged)")
+            return hf_fallback.paged(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k, read_index,
+                                     write_index, cache_window, scaling, dropout, kwargs)
+        self.counts.serve(sel.spec)
+        features = run_inputs(kwargs)
+        tokens = query.shape[2]
+        batch = cu_seq_lens_q.numel() - 1
+        q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+        if cache_window == 1 and max_seqlen_q == 1 and tokens == batch and read_index[group].numel() > 0:
+            k_cache, v_cache = cache.key_cache[layer_in_group], cache.value_cache[layer_in_group]
+            k_cache.index_copy_(0, write_index[group], key[0].transpose(0, 1))
+            v_cache.index_copy_(0, write_index[group], value[0].transpose(0, 1))
+
+            def plan_decode():
+                page_table, lens = paged_page_table(read_index[group], cu_seq_lens_k, block, int(max_seqlen_k))
+                return sel.plan_decode(page_table, lens, **_plan_args(sel.plan_decode, max_seq_len=int(max_seqlen_k),
+                                                                      context_tokens=read_index[group].numel()))
+
+            run = self.paged_steps.get(module.layer_idx, ("decode", group, id(sel)), plan_decode, query.device)
+            kvh, d = k_cache.shape[-2:]
+            out = run(q, k_cache.view(-1, block, kvh, d), v_cache.view(-1, block, kvh, d), **features)
+            return out[None], None
+        k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
+                            write_index=write_index)
+        run = self.paged_steps.get(
+            module.layer_idx, ("prefill", group, layer_type, id(sel)),
+            lambda: sel.plan_prefill(cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_seqlen_q),
+                                     int(max_seqlen_k),
+                                     **_plan_args(sel.plan_prefill, total_q=tokens, total_k=k.shape[0])),
+            query.device)
+        return run(q, k.contiguous(), v.contiguous(), **features)[None], None
+
+
+@functools.cache
+def default() -> HFAttention:
+    """The instance the registered functions use, made on first use (the only module-level state)."""
+    return HFAttention()
+
+
 def register(prefill: str | None = None, decode: str | None = None, **select_options) -> list[str]:
     """Register the attnsel attention implementations with transformers; returns the names registered.
 
@@ -78,18 +278,14 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     transformers >= 5.25 with kernels: also ``"attnsel/flash-attn"`` (``hf_kernels.register_kernel``: writes a local
     kernel repository under attnsel's cache directory and sets ``LOCAL_KERNELS`` and ``ATTNSEL_KERNEL_OPTIONS``).
     """
+    Settings.from_env()  # a bad ATTNSEL_* variable is named now, not at the first attention call
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:
         raise RuntimeError("attnsel.integrations.hf needs transformers >= 5.0 with AttentionInterface and "
                            f"AttentionMaskInterface ({exc})") from exc
-    _options.clear()
-    _options.update(select_options)
-    _options.update({k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None})
-    _selections.clear()
-    _counts.clear()
-    _registrations[0] += 1
+    default().configure(prefill, decode, **select_options)
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, key_mask)
     from . import hf_kernels
@@ -120,28 +316,26 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
 
 def fallbacks() -> dict[str, int]:
     """Attention calls handed back to transformers since ``register()``, by reason."""
-    return dict(_counts.fallbacks)
+    return dict(default().counts.fallbacks)
 
 
 def served() -> dict[AttentionSpec, int]:
     """Attention calls attnsel served since ``register()`` (the dense and paged paths), by the call's spec. Counted
     in Python: the replays of a captured CUDA graph are not counted."""
-    return dict(_counts.served)
+    return dict(default().counts.served)
 
 
 def call_summary() -> list[str]:
     """The calls served (by spec) and handed back (by reason) since ``register()``, as two log lines."""
-    return _counts.summary()
+    return default().counts.summary()
 
 
 def model_spec(config, dtype: torch.dtype, page_size: int, scaling: float | None = None) -> AttentionSpec:
     """AttentionSpec of a transformers model config at the model's dtype (``AttentionSpec.from_hf_config``). The
     attention calls themselves select for the spec of their tensors and arguments, which can differ (MLA head dims,
     per-layer windows): use this for a first guess before the model runs (e.g. to print a selection at start-up)."""
-    if dtype not in _DTYPE_NAMES:
-        raise SpecError(f"dtype must be one of {', '.join(map(str, _DTYPE_NAMES))}, got {dtype}")
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    spec = AttentionSpec.from_hf_config(data, dtype=_DTYPE_NAMES[dtype], page_size=page_size)
+    spec = AttentionSpec.from_hf_config(data, dtype=dtype_name(dtype), page_size=page_size)
     if scaling is not None and not math.isclose(scaling, spec.head_dim ** -0.5, rel_tol=1e-6):
         spec = dataclasses.replace(spec, softmax_scale=float(scaling))
     return spec
@@ -149,14 +343,7 @@ def model_spec(config, dtype: torch.dtype, page_size: int, scaling: float | None
 
 def selection_for(spec: AttentionSpec, device: torch.device) -> Selection:
     """The Selection for a spec on a device, made once per process (the persistent cache makes later starts fast)."""
-    key = (spec, str(device))
-    if key not in _selections:
-        opts = {"prefill": os.environ.get(ENV_PREFILL, "auto"), "decode": os.environ.get(ENV_DECODE, "auto"),
-                **_options}
-        sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
-        log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
-        _selections[key] = sel
-    return _selections[key]
+    return default().selection_for(spec, device)
 
 
 def select_for_model(model, page_size: int = DENSE_PAGE_SIZE) -> Selection | None:
@@ -166,14 +353,15 @@ def select_for_model(model, page_size: int = DENSE_PAGE_SIZE) -> Selection | Non
     attnsel serves, or None when every layer is handed back to transformers (``fallbacks()`` says why)."""
     param = next(model.parameters())
     before = model.config._attn_implementation
-    _page_size_override[0] = page_size
+    state = default()
+    state.page_size_override = page_size
     try:
         if before != NAME:
             model.set_attn_implementation(NAME)
         with torch.no_grad():
             model(input_ids=torch.ones(1, 2, dtype=torch.long, device=param.device), use_cache=False)
     finally:
-        _page_size_override[0] = None
+        state.page_size_override = None
         if before != NAME:
             model.set_attn_implementation(before)
     for mod in model.modules():
@@ -183,201 +371,37 @@ def select_for_model(model, page_size: int = DENSE_PAGE_SIZE) -> Selection | Non
     return None
 
 
-# --- what a call asks for -------------------------------------------------------------------------------------------
-
-def _is_causal(module, kwargs: dict) -> bool:
-    """The call's causality as transformers' attention functions read it: ``is_causal`` passed down, else the
-    module's attribute (default causal)."""
-    causal = kwargs.get("is_causal")
-    return not (causal is False or (causal is None and getattr(module, "is_causal", True) is False))
-
-
-def _call_spec(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, dropout: float,
-               kwargs: dict, page_size: int, plumbing: frozenset = frozenset()) -> tuple[Selection | None, str]:
-    """(selection, "") when attnsel serves this call exactly, else (None, the reason). Remembered per module and
-    call signature, so the hot path is a dict lookup after the first call of each kind."""
-    name = unimplemented(kwargs, plumbing)
-    if name is not None:
-        return None, f"argument {name}={_short(kwargs[name])} (not implemented by attnsel)"
-    if kwargs.get("output_attentions"):
-        return None, "output_attentions=True (attention weights)"
-    if not _is_causal(module, kwargs):
-        return None, "non-causal attention"
-    if dropout and module.training:
-        return None, f"attention dropout {dropout} in training"
-    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
-    for name, val in (("sliding_window", window), ("softcap", softcap)):
-        if isinstance(val, bool) or (val is not None and not isinstance(val, (int, float))):
-            return None, f"{name}={_short(val)} (expected a number or None)"
-    sig = (query.dtype, key.dtype, value.dtype, query.device, query.shape[1], key.shape[1], value.shape[1],
-           query.shape[-1], key.shape[-1], value.shape[-1], scaling, window, softcap,
-           None if sinks is None else (type(sinks), tuple(getattr(sinks, "shape", ()))), page_size,
-           _registrations[0])
-    memo = module.__dict__.setdefault("_attnsel_memo", {})
-    if sig not in memo:
-        memo[sig] = _select_for_call(sig)
-    reason, sel = memo[sig]
-    return sel, reason
+@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
+def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers attention function of "attnsel" (HFAttention.attention_forward of the default instance)."""
+    return default().attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
-def _select_for_call(sig: tuple) -> tuple[str, Selection | None]:
-    """(reason, None) or ("", the Selection) for a call signature of ``_call_spec``."""
-    qdt, kdt, vdt, device, hq, hk, hv, dq, dk, dv, scaling, window, softcap, sinks, page_size, _ = sig
-    if dk != dq or dv != dq:
-        return f"head dims differ: query {dq}, key {dk}, value {dv} (no attnsel backend serves that)", None
-    if kdt != qdt or vdt != qdt:
-        return f"key/value dtype {kdt}/{vdt} differs from the query's {qdt}", None
-    if qdt not in _DTYPE_NAMES:
-        return f"dtype {qdt} (attnsel serves {', '.join(map(str, _DTYPE_NAMES))})", None
-    if hv != hk:
-        return f"key has {hk} heads but value {hv}", None
-    if sinks is not None and (not issubclass(sinks[0], torch.Tensor) or sinks[1] != (hq,)):
-        return f"s_aux of type {sinks[0].__name__} and shape {sinks[1]} (expected a tensor [{hq}])", None
-    scale = None if scaling is None or math.isclose(scaling, dq ** -0.5, rel_tol=1e-6) else float(scaling)
-    try:
-        spec = AttentionSpec(num_q_heads=hq, num_kv_heads=hk, head_dim=dq, dtype=_DTYPE_NAMES[qdt],
-                             page_size=page_size, softmax_scale=scale, sliding_window=window, softcap=softcap,
-                             sinks=sinks is not None)
-    except SpecError as exc:
-        return f"the call's attention is not a valid spec: {exc}", None
-    try:
-        return "", selection_for(spec, device)
-    except SelectionError as exc:
-        return f"no attnsel backend serves {spec.describe()}: {exc}", None
+@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
+def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers attention function of "paged|attnsel" (HFAttention.paged_attention_forward of the default
+    instance)."""
+    return default().paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _short(val) -> str:
-    if isinstance(val, torch.Tensor):
-        return f"tensor{list(val.shape)}"
-    text = repr(val)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _run_inputs(kwargs: dict) -> dict:
-    """Run-time feature inputs of the backend protocol: sinks as float32 [num_q_heads]."""
-    sinks = kwargs.get("s_aux")
-    return {} if sinks is None else {"sinks": sinks.detach().float()}
-
+# --- helpers ----------------------------------------------------------------------------------------------------------
 
 def _plan_args(method, **host) -> dict:
     """The host-side sizes a Selection's plan method accepts (the dispatch table uses them to pick a backend
     without a device sync); Selections without these parameters (before the dispatch table) get none."""
-    func = getattr(method, "__func__", method)
-    if func not in _plan_params:
-        _plan_params[func] = frozenset(inspect.signature(func).parameters)
-    return {k: v for k, v in host.items() if k in _plan_params[func]}
+    params = _params(getattr(method, "__func__", method))
+    return {k: v for k, v in host.items() if k in params}
 
 
-_plan_params: dict = {}
-
-
-# --- transformers' own implementations (the fallback) ---------------------------------------------------------------
-
-def _transformers_attention(module, kwargs: dict):
-    """(function, needs_float_mask): transformers' SDPA attention when it computes what the call asks, else the
-    model's own eager attention (sinks, softcap and whatever else the model's arguments mean)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    ignored = sdpa_ignores(kwargs)
-    if not ignored:
-        return sdpa_attention_forward, False
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if eager is None:
-        raise NotImplementedError(f"{type(module).__name__}: attnsel cannot serve this call and transformers' SDPA "
-                                  f"would ignore {', '.join(ignored)}; the model's module has no "
-                                  "eager_attention_forward to hand it to")
-    return eager, True
-
-
-def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, reason):
-    """The call computed by transformers: its SDPA or the model's eager attention, on the 4D mask transformers'
-    own builders make from the 2D key mask (same padding, sliding window, and causal or, for a non-causal call,
-    bidirectional pattern)."""
-    from transformers.masking_utils import (
-        bidirectional_mask_function,
-        causal_mask_function,
-        eager_mask,
-        sdpa_mask,
-        sliding_window_bidirectional_mask_function,
-        sliding_window_causal_mask_function,
-    )
-
-    _counts.fall_back(reason)
-    fn, float_mask = _transformers_attention(module, kwargs)
-    batch, len_q, len_kv = query.shape[0], query.shape[2], key.shape[2]
-    if attention_mask is not None and attention_mask.dim() == 4:
-        mask = attention_mask
-        if float_mask and mask.dtype == torch.bool:
-            mask = torch.where(mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
-    else:
-        n = len_kv if attention_mask is None else attention_mask.shape[1]
-        if _is_causal(module, kwargs):
-            pattern = causal_mask_function if not window else sliding_window_causal_mask_function(window)
-        else:
-            pattern = bidirectional_mask_function if not window else sliding_window_bidirectional_mask_function(window)
-        build = eager_mask if float_mask else sdpa_mask
-        mask = build(batch_size=batch, q_length=len_q, kv_length=len_kv, q_offset=n - len_q, kv_offset=0,
-                     mask_function=pattern, attention_mask=None if attention_mask is None else attention_mask.bool(),
-                     allow_is_causal_skip=False, dtype=query.dtype, device=query.device)
-    return fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+@functools.cache
+def _params(func) -> frozenset:
+    return frozenset(inspect.signature(func).parameters)
 
 
 # --- dense path (generate) ------------------------------------------------------------------------------------------
-
-def _mask_window(mask_function, local_size):
-    """The sliding window of a transformers mask function: None for plain causal, an int for a sliding-window causal
-    pattern, False for anything else (chunked, packed, bidirectional, overlays)."""
-    from transformers.masking_utils import causal_mask_function
-
-    if mask_function is causal_mask_function:
-        return None
-    try:
-        parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
-        overlay, causal = parts
-        window = inspect.getclosurevars(overlay).nonlocals.get("sliding_window")
-    except (TypeError, ValueError):
-        return False
-    if (getattr(mask_function, "__qualname__", "") == "and_masks.<locals>.and_mask" and causal is causal_mask_function
-            and getattr(overlay, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask"
-            and isinstance(window, int) and window == local_size):
-        return window
-    return False
-
-
-@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
-def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, mask_function=None,
-             attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs):
-    """transformers mask function of "attnsel": a bool key mask ``[B, n]`` over the key slots that exist (padding
-    False; slots n..kv_length-1 are empty static-cache slots; the queries are the last q_length of the n slots),
-    tagged with its sliding window (``_attnsel_window``). Patterns attnsel does not serve get transformers' own 4D
-    SDPA mask, and their attention calls are handed back."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
-
-    mask_function = mask_function or causal_mask_function
-    kwargs.pop("allow_is_causal_skip", None)
-    window = _mask_window(mask_function, local_size)
-    # generate() makes the masks of a StaticCache step ahead of the forward, and models without per-layer-type
-    # masks pass that mask back in here: it is already a key mask of this step (slicing it again would be wrong)
-    made = getattr(attention_mask, "_attnsel_window", False)
-    if made is not False:
-        if made != window:
-            raise ValueError(f"{NAME}: a key mask made for sliding window {made} was passed back for window {window}")
-        return attention_mask
-    if window is False:
-        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                         local_size=local_size, allow_is_causal_skip=False, **kwargs)
-    n = int(q_offset) + q_length - kv_offset  # a StaticCache gives q_offset as a tensor: one host read per mask
-    device = kwargs.get("device", "cpu")
-    if attention_mask is None:
-        mask = torch.ones(batch_size, n, dtype=torch.bool, device=device)
-    else:
-        mask = attention_mask.bool()[:, kv_offset:kv_offset + n]
-        if mask.shape[1] < n:  # a 2D mask shorter than the keys: the missing columns are padding, as transformers'
-            mask = F.pad(mask, (0, n - mask.shape[1]), value=False)
-    mask._attnsel_window = window
-    return mask
-
 
 class _StepPlans:
     """Plans of one forward step, by key: a step begins when a layer index does not exceed the previous call's
@@ -385,8 +409,8 @@ class _StepPlans:
     static input buffers in ways that do not always bump a tensor's version.
 
     Off CUDA every call plans afresh: reusing a step's plan across layers gave NaN outputs for a CPU-resident model
-    under the device machine's torch 2.11 (2026-12-02; CUDA runs were token-identical either way, the cause was not
-    found). Planning is cheap next to CPU attention."""
+    under torch 2.11 (CUDA runs were token-identical either way; the cause is not known). Planning is cheap next to
+    CPU attention."""
 
     def __init__(self) -> None:
         self.layer: int | None = None
@@ -400,10 +424,6 @@ class _StepPlans:
         if plan is None or not plan_is_current(getattr(plan, "run", None) or plan):
             plan = self.plans[key] = make()  # a plan a backend replaced since (run.current()) is made again
         return plan
-
-
-_dense_steps = _StepPlans()
-_paged_steps = _StepPlans()
 
 
 @dataclasses.dataclass
@@ -451,55 +471,6 @@ def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: in
     return _DensePlan(False, run, qmask.nonzero(as_tuple=True), kmask.nonzero(as_tuple=True))
 
 
-@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
-def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers attention function: query ``[B, H, Sq, D]``, key/value ``[B, KVH, Skv, D]``; out ``[B, Sq, H, D]``.
-    """
-    batch, _, len_q, _ = query.shape
-    len_kv = key.shape[2]
-    window = kwargs.get("sliding_window")
-    mask_window = getattr(attention_mask, "_attnsel_window", window)
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window,
-                               "a 4D attention mask (a custom mask, or a mask pattern attnsel does not serve: chunked, "
-                               "packed sequences, bidirectional, overlays)")
-    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != batch
-                                       or not len_q <= attention_mask.shape[1] <= len_kv):
-        raise ValueError(f"{NAME}: attention mask of shape {list(attention_mask.shape)} for a batch of {batch}, "
-                         f"{len_q} queries and {len_kv} keys; expected [{batch}, n] with {len_q} <= n <= {len_kv}")
-    if mask_window != window:
-        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, mask_window,
-                               f"the mask's sliding window ({mask_window}) differs from the layer's ({window})")
-    page_size = _page_size_override[0] or DENSE_PAGE_SIZE
-    sel, why = _call_spec(module, query, key, value, scaling, dropout, kwargs, page_size)
-    if sel is None:
-        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, why)
-    plan = _dense_steps.get(getattr(module, "layer_idx", None),
-                            (id(attention_mask), batch, len_q, len_kv, id(sel)),
-                            lambda: _plan_dense(sel, attention_mask, batch, len_q, len_kv, query.device),
-                            query.device)
-    if plan.why:
-        return _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs, window, plan.why)
-    _counts.serve(sel.spec)
-    features = _run_inputs(kwargs)
-    k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Skv, KVH, D] views
-    if plan.decode:
-        rows, pos = plan.k_index
-        kvh, d = k.shape[2:]
-        k_pages = k[rows, pos].view(-1, sel.spec.page_size, kvh, d)
-        v_pages = v[rows, pos].view(-1, sel.spec.page_size, kvh, d)
-        out = plan.run(query[:, :, 0].contiguous(), k_pages, v_pages, **features)
-        return out[:, None], None
-    q_rows, q_pos = plan.q_index
-    k_rows, k_pos = plan.k_index
-    packed = plan.run(query.transpose(1, 2)[q_rows, q_pos], k[k_rows, k_pos], v[k_rows, k_pos], **features)
-    out = query.new_zeros(batch, len_q, query.shape[1], query.shape[3])
-    out[q_rows, q_pos] = packed
-    return out, None
-
-
 # --- paged path (continuous batching, transformers 5.17) ------------------------------------------------------------
 
 def paged_page_table(read_index: torch.Tensor, cu_k: torch.Tensor, block_size: int,
@@ -515,78 +486,3 @@ def paged_page_table(read_index: torch.Tensor, cu_k: torch.Tensor, block_size: i
     slots = read_index[offsets.clamp(max=read_index.numel() - 1)]
     page_table = torch.where(valid, slots // block_size, torch.zeros_like(slots)).to(torch.int32)
     return page_table, lens
-
-
-def _paged_fallback(module, query, key, value, cache, cu_q, cu_k, read_index, write_index, cache_window, scaling,
-                    dropout, kwargs, reason):
-    """The call computed by transformers: the keys ``cache.update`` gathers, the float mask continuous batching's
-    own ``build_attention_mask`` makes for paged|eager and paged|sdpa, then transformers' SDPA or the model's
-    eager attention (which, unlike paged|sdpa, honours sinks and softcap)."""
-    from transformers.generation.continuous_batching.utils import build_attention_mask
-
-    _counts.fall_back(f"{reason} (paged)")
-    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
-                        write_index=write_index)
-    mask = torch.full((1, 1, query.shape[2], k.shape[0]), torch.finfo(query.dtype).min, dtype=query.dtype,
-                      device=query.device)
-    build_attention_mask(mask, cu_q.tolist(), cu_k.tolist(), sliding_window=cache_window)
-    model_kwargs = {n: val for n, val in kwargs.items() if n not in PAGED}
-    fn, _ = _transformers_attention(module, model_kwargs)
-    return fn(module, query, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scaling=scaling,
-              dropout=dropout, **model_kwargs)
-
-
-@torch.compiler.disable  # host-side planning and selection: runs eagerly inside compiled models
-def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                            max_seqlen_q=None, max_seqlen_k=None, read_index=None, write_index=None,
-                            scaling: float | None = None, dropout: float = 0.0,
-                            **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Continuous-batching attention: query ``[1, H, T, D]`` packed, key/value the new tokens; out ``[1, T, H, D]``."""
-    if cache is None:
-        raise ValueError(f"{PAGED_NAME} was called without a paged attention cache: load the model with "
-                         f"attn_implementation='{NAME}' for plain forward/generate calls")
-    if kwargs.get("block_table") is not None:
-        raise ValueError(f"{PAGED_NAME} got a block_table (transformers' flash decode fast path); attnsel reads the "
-                         "cache through read_index/write_index: turn the fast path off (max_blocks_per_request=0)")
-    cache_window = cache.sliding_windows[module.layer_idx]  # 1: a full-attention layer group
-    layer_type = "sliding_attention" if cache_window > 1 else "full_attention"
-    if isinstance(cu_seq_lens_k, dict):
-        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
-    group, layer_in_group = cache.layer_index_to_group_indices[module.layer_idx]
-    block = cache.block_size
-    window = kwargs.get("sliding_window")
-    sel, why = _call_spec(module, query, key, value, scaling, dropout, kwargs, block, plumbing=PAGED)
-    if sel is not None and (window or 1) != cache_window:
-        sel, why = None, f"the layer's sliding window ({window}) differs from its paged cache group's ({cache_window})"
-    if sel is None:
-        return _paged_fallback(module, query, key, value, cache, cu_seq_lens_q, cu_seq_lens_k, read_index,
-                               write_index, cache_window, scaling, dropout, kwargs, why)
-    _counts.serve(sel.spec)
-    features = _run_inputs(kwargs)
-    tokens = query.shape[2]
-    batch = cu_seq_lens_q.numel() - 1
-    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
-    if cache_window == 1 and max_seqlen_q == 1 and tokens == batch and read_index[group].numel() > 0:
-        k_cache, v_cache = cache.key_cache[layer_in_group], cache.value_cache[layer_in_group]
-        k_cache.index_copy_(0, write_index[group], key[0].transpose(0, 1))
-        v_cache.index_copy_(0, write_index[group], value[0].transpose(0, 1))
-
-        def plan_decode():
-            page_table, lens = paged_page_table(read_index[group], cu_seq_lens_k, block, int(max_seqlen_k))
-            return sel.plan_decode(page_table, lens, **_plan_args(sel.plan_decode, max_seq_len=int(max_seqlen_k),
-                                                                  context_tokens=read_index[group].numel()))
-
-        run = _paged_steps.get(module.layer_idx, ("decode", group, id(sel)), plan_decode, query.device)
-        kvh, d = k_cache.shape[-2:]
-        out = run(q, k_cache.view(-1, block, kvh, d), v_cache.view(-1, block, kvh, d), **features)
-        return out[None], None
-    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
-                        write_index=write_index)
-    run = _paged_steps.get(
-        module.layer_idx, ("prefill", group, layer_type, id(sel)),
-        lambda: sel.plan_prefill(cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_seqlen_q),
-                                 int(max_seqlen_k),
-                                 **_plan_args(sel.plan_prefill, total_q=tokens, total_k=k.shape[0])),
-        query.device)
-    return run(q, k.contiguous(), v.contiguous(), **features)[None], None

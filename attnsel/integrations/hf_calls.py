@@ -31,6 +31,13 @@ PAGED = frozenset({"cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_seqlen_q", "m
 SDPA_HONOURS = frozenset({"is_causal", "position_bias", "sliding_window"}) | IRRELEVANT
 
 
+def is_causal(module, kwargs: dict) -> bool:
+    """The call's causality as transformers' attention functions read it: ``is_causal`` passed down, else the
+    module's attribute (default causal)."""
+    causal = kwargs.get("is_causal")
+    return not (causal is False or (causal is None and getattr(module, "is_causal", True) is False))
+
+
 def leaves_attention_unchanged(name: str, value) -> bool:
     """The argument cannot change the attention's result (not set, a model argument known not to, or one of
     generate's own objects)."""
@@ -51,6 +58,20 @@ def sdpa_ignores(kwargs: dict) -> list[str]:
     return [name for name, value in kwargs.items()
             if name not in SDPA_HONOURS and not leaves_attention_unchanged(name, value)
             and not (name == "output_attentions" and not value)]
+
+
+def short(val) -> str:
+    """An argument's value in a reason: a tensor's shape, else its repr cut to 40 characters."""
+    if isinstance(val, torch.Tensor):
+        return f"tensor{list(val.shape)}"
+    text = repr(val)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def run_inputs(kwargs: dict) -> dict:
+    """Run-time feature inputs of the backend protocol: sinks as float32 [num_q_heads]."""
+    sinks = kwargs.get("s_aux")
+    return {} if sinks is None else {"sinks": sinks.detach().float()}
 
 
 class CallCounts:

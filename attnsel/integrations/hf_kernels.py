@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from .. import flash_api
+from .. import flash_api, settings
 from ..cache import default_dir
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ KERNEL_NAME = "attnsel/flash-attn"  # no "2"/"3": transformers' FA2/FA3-only blo
 PAGED_NAME = f"paged|{NAME}"  # transformers 5.18: generate_batch switches a flash-named model to "paged|<name>" and
 # accepts it only if registered (5.19 dropped the prefix); registered there, to transformers' own paged flash forward
 KERNEL_FROM = (5, 25)  # checked on 5.25 with kernels 0.19.1
-ENV_OPTIONS = "ATTNSEL_KERNEL_OPTIONS"
+ENV_OPTIONS = settings.ENV["kernel_options"]  # carries the selection options into processes transformers spawns
 _KERNEL_BACKENDS = ("cpu", "cuda")  # kernels' noarch variants torch-<backend>: the devices attnsel is tested on
 _SHIM = ('"""attnsel.integrations.hf_kernels\' functions in the kernels layout (written by that module)."""\n'
          "from attnsel.integrations.hf_kernels import _configure_from_env, flash_attn_func, flash_attn_varlen_func, "
@@ -144,6 +144,7 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
     """Register ``"attnsel_flash"`` with transformers; returns ``[NAME]``. prefill/decode/select_options: as
     ``attnsel.integrations.hf.register`` (they configure ``attnsel.flash_api``). RuntimeError with the reason on a
     transformers this route does not know."""
+    settings.Settings.from_env()  # a bad ATTNSEL_* variable is named now, not at the first attention call
     reason = unsupported()
     if reason:
         raise RuntimeError(f"attnsel: cannot register {NAME}: {reason}")
@@ -240,16 +241,17 @@ def _json_options(options: dict) -> dict:
 def register_kernel(prefill: str | None = None, decode: str | None = None, **select_options) -> list[str]:
     """Make ``attn_implementation="attnsel/flash-attn"`` load attnsel (transformers >= 5.25); returns
     ``[KERNEL_NAME]``. Options: as ``register``. RuntimeError with the reason where the route is unavailable."""
+    settings.Settings.from_env()  # a bad ATTNSEL_* variable is named now, not at the first attention call
     reason = kernel_unsupported()
     if reason:
         raise RuntimeError(f"attnsel: cannot register {KERNEL_NAME}: {reason}")
     parent = default_dir().resolve()
     if ":" in str(parent):
         raise RuntimeError(f"attnsel: LOCAL_KERNELS separates its entries with ':', so the kernel repository cannot "
-                           f"live under {parent}; set ATTNSEL_CACHE_DIR to a path without ':'")
+                           f"live under {parent}; set {settings.ENV['cache_dir']} to a path without ':'")
     root = write_kernel_repo(parent)
     flash_api.configure(prefill, decode, **_json_options(select_options))
-    os.environ[ENV_OPTIONS] = json.dumps(flash_api._options)
+    os.environ[ENV_OPTIONS] = json.dumps(flash_api.default().options)
     entries = [e for e in os.environ.get("LOCAL_KERNELS", "").split(":") if e and e.split("=")[0] != KERNEL_NAME]
     os.environ["LOCAL_KERNELS"] = ":".join(entries + [f"{KERNEL_NAME}={root}"])
     return [KERNEL_NAME]
@@ -258,9 +260,8 @@ def register_kernel(prefill: str | None = None, decode: str | None = None, **sel
 def _configure_from_env() -> None:
     """In a process that did not call ``register_kernel`` (one transformers spawned), the options of the one that
     did; a no-op where they are already in force or the environment carries none."""
-    text = os.environ.get(ENV_OPTIONS)
-    if text is None:
+    options = settings.read("kernel_options")
+    if options is None:
         return
-    options = json.loads(text)
-    if options != _json_options(flash_api._options):
+    if options != _json_options(flash_api.default().options):
         flash_api.configure(**options)

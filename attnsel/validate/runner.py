@@ -25,28 +25,26 @@ import tempfile
 import threading
 import time
 
-from .. import backends
+from .. import backends, settings
 from ..device import resolve
 from ..spec import AttentionSpec
-from . import seconds_from_env
+from . import TIMING_TASK
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "ATTNSEL_VALIDATION_TIMEOUT"
-DEFAULT_TIMEOUT_S = 600.0  # FlashInfer JIT-compiles for ~2 minutes on a fresh machine
 STARTUP_TIMEOUT_S = 300.0  # importing torch and initialising CUDA, before any candidate runs
 HEARTBEAT_S = 15.0
 DONE_GRACE_S = 5.0  # after "done", how long a worker may take to exit before it is killed
 RETRIES = 1  # fresh-worker retries of a machine fault (failed start, case build, out of memory)
 STDERR_TAIL_LINES = 12
-TIMING_TASK = "@timing"  # validate.timing.TIMING_TASK: a task that times a phase's candidates (not a backend)
 NOT_CACHED = "a machine condition, not the backend's fault: reported, not cached"
 
 spawn_count = 0  # process-wide number of workers spawned (tests assert on it)
 
 
 def default_timeout() -> float:
-    return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+    """$ATTNSEL_VALIDATION_TIMEOUT: seconds per candidate (FlashInfer JIT-compiles for minutes on a fresh machine)."""
+    return settings.read("validation_timeout_s")
 
 
 @dataclasses.dataclass

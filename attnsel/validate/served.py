@@ -74,8 +74,9 @@ def reference(spec: AttentionSpec, snap: Snapshot) -> Reference:
 
     def both(q, k, v):  # the float32 reference and the validation's yardstick, as for a validation case
         args = dict(window=spec.sliding_window, softcap=spec.softcap, sinks=sinks)
+        fp8 = snap.phase == "decode" and spec.kv_dtype is not None
         return (yardstick.reference_attention(q, k, v, spec.scale, spec.causal, **args),
-                yardstick.careful_attention(q, k, v, spec.scale, spec.causal, dtype=dt, **args))
+                yardstick.careful_attention(q, k, v, spec.scale, spec.causal, dtype=dt, fp8=fp8, **args))
 
     ref = torch.zeros(snap.q.shape, dtype=torch.float32, device=snap.q.device)
     low = torch.zeros(snap.q.shape, dtype=dt, device=snap.q.device)

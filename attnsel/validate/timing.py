@@ -25,7 +25,7 @@ Timing rules (what a number in a report means):
   bucket where a timed candidate fails is timed again with every candidate, so that a pruned one can serve it.
 - Checked: after the timing, what the timed plan computes (eager: two more calls, the first one's output NaN-filled
   and held during the second; graph: outputs NaN-filled, one more replay, the first and last input set) is compared
-  with the float32 reference on sampled rows (cases.spot_reference, once per bucket and set); a wrong candidate gets
+  with the float32 reference on sampled rows (spot.spot_reference, once per bucket and set); a wrong candidate gets
   no time in that bucket, with the reason.
 - Eager: a sample is m consecutive ``run`` calls (host launch cost included: an engine in eager mode pays it).
   Graph: one CUDA graph per candidate and bucket holds one call per input set; a sample is m replays. A candidate
@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import statistics
 import time
 from typing import Callable
@@ -45,8 +44,9 @@ from typing import Callable
 import torch
 
 from ..spec import AttentionSpec
-from . import seconds_from_env
-from .cases import clear_output, spot_compare, spot_reference
+from . import TIMING_TASK  # noqa: F401 (timing.TIMING_TASK: the worker's and the selector's name for it)
+from .cases import clear_output
+from .spot import spot_compare, spot_reference
 from .grid import (DECODE_AXES, PREFILL_AXES, decode_grid, device_sms, feature_inputs, prefill_grid, prefill_key,
                    prefill_label, ragged_decode_grid, ragged_key, rotated_workloads)
 from .grid import RAGGED_SKEW  # noqa: F401  selection.py reads it as timing.RAGGED_SKEW
@@ -55,14 +55,11 @@ from .host_probe import host_probe, host_reference
 log = logging.getLogger(__name__)
 
 GRID_VERSION = 8  # part of the dispatch-table cache key: bump when the grid or the timing rules change
-TIMING_TASK = "@timing"  # worker task name: time every candidate of a phase, interleaved (not a backend name)
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
 SAMPLE_S = 1e-3  # a sample lasts at least this long (CUDA event resolution is ~0.5 us)
 MAX_REPEAT = 10000  # units per sample at most
-DEFAULT_BUDGET_S = 50.0  # seconds of timing per selection, over all timed phases (ATTNSEL_TIMING_BUDGET_S)
-BUDGET_ENV = "ATTNSEL_TIMING_BUDGET_S"
 PLAN_ALLOWANCE_S = 30.0  # per phase: this much of the plans-and-first-calls step is not counted against the
 # budget. The step holds first-use compiles (Triton compiling on an empty kernel cache) and, under CUDA graphs, the
 # captures, inside which Triton compiles its graph variants: a cost of a machine's first selections, not of timing,
@@ -268,7 +265,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
                 del prepared[name]
             cursor += item.repeat
     lap("samples")
-    references: dict = {}  # input set index -> cases.SpotReference, shared by the candidates
+    references: dict = {}  # input set index -> spot.SpotReference, shared by the candidates
     for name, item in list(prepared.items()):  # a fast wrong answer must not win: check what the timed plan computed
         reason = _timed_output_reason(item, spec, phase, plan_args, sets, device, references)
         if reason:
@@ -319,10 +316,6 @@ def _free_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
-def budget_from_env() -> float:
-    return seconds_from_env(BUDGET_ENV, DEFAULT_BUDGET_S)
-
-
 def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.device, mode: str,
             budget_s: float | None = None, reps: int | None = None, grid: list | None = None,
             max_budget_s: float | None = None) -> dict:
@@ -343,7 +336,6 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     """
     from .. import backends
 
-    os.environ.pop("ATTNSEL_FLASHINFER_WORKSPACE_MB", None)  # runtime-sized workspace for real batches
     reps = reps or reps_for(mode, device)
     t0 = time.perf_counter()
     cands = {name: backends.get(name) for name in names}

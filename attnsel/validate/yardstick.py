@@ -30,6 +30,7 @@ from ..spec import AttentionSpec
 
 TOL_FACTOR = 4.0
 TOL_FLOOR = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.6e-2}
+FP8_MAX = 448.0  # the largest finite e4m3 value
 OUTLIER_FACTOR = 8.0  # an error this many times the best valid candidate's (plus the floor) is rejected
 
 
@@ -85,15 +86,21 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
 def careful_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, *,
                       window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
     """The yardstick: attention of one sequence as a careful kernel computes it in ``dtype`` (module docstring);
     float32 ``[Lq, H, D]`` holding values of ``dtype``. Arguments as ``reference_attention``'s; k/v are rounded to
-    ``dtype`` (fp8 caches: their dequantised values, as a kernel that dequantises into the activation dtype). A row
-    that sees no key and no sink gives zeros."""
+    ``dtype`` (fp8 caches: their dequantised values). ``fp8`` (an fp8 KV cache): both products in fp8 e4m3, as a
+    kernel that runs its tensor cores on the fp8 cache does (FA3): q quantised with one scale per token and KV-head
+    group (amax / 448) and P rounded to e4m3. A row that sees no key and no sink gives zeros."""
     lq, heads, lk = q.shape[0], q.shape[1], k.shape[0]
     if lk == 0:
         return torch.zeros(lq, heads, v.shape[-1], dtype=torch.float32, device=q.device)
     q, k, v = (t.to(dtype).float() for t in (q, k, v))
+    p_dtype = torch.float8_e4m3fn if fp8 else dtype
+    if fp8:
+        grouped = q.view(lq, k.shape[1], heads // k.shape[1], q.shape[-1])
+        q_scale = (grouped.abs().amax(dim=(2, 3), keepdim=True) / FP8_MAX).clamp_min(1e-12)
+        q = ((grouped / q_scale).to(torch.float8_e4m3fn).float() * q_scale).view(lq, heads, -1)
     scores = _scores(q, k, scale, causal, window, softcap, torch.float32)
     top = scores.amax(-1, keepdim=True)
     if sinks is not None:
@@ -104,7 +111,7 @@ def careful_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     denom = weights.sum(-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sink - top)
-    probs = weights.to(dtype).float() / torch.where(denom > 0, denom, 1.0)  # P rounded, 1 / row sum in float32
+    probs = weights.to(p_dtype).float() / torch.where(denom > 0, denom, 1.0)  # P rounded, 1 / row sum in float32
     return _times_v(probs, v).to(dtype).float()
 
 

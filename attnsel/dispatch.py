@@ -1,0 +1,328 @@
+"""The dispatch table: shape bucket -> backend for one phase, from timings. Pure data: built from timing.measure's
+result (``build_table``), looked up from host ints (``DispatchTable.backend_for``), printed (``str``), through JSON
+and back (``to_json`` / ``from_json``)."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+
+from .validate import timing
+
+TIE = 0.01  # measured within 1% of the fastest: priority order decides (a wider band lets a backend 2% slower win a
+# bucket by priority, and serve the shapes around it where it is slower still)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One timed bucket of a dispatch table: its representative shape (``key``, on the table's axes), the backend
+    chosen there, its time per call, and the runner-up. ``times_us``/``spread`` hold every timed candidate. ``host``:
+    the host's speed while it was timed, its probe over the phase's reference (eager on CUDA; timing.host_probe and
+    timing.host_reference)."""
+
+    key: tuple[int, ...]
+    label: str
+    backend: str
+    us: float
+    runner_up: str | None
+    runner_up_us: float | None
+    times_us: dict[str, float]
+    spread: dict[str, float]
+    host: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """Runner-up time over the chosen backend's time (>= 1 unless the tie band let priority decide)."""
+        return self.runner_up_us / self.us if self.runner_up_us and self.us else None
+
+    def to_json(self) -> dict:
+        return {"key": list(self.key), "label": self.label, "backend": self.backend, "us": self.us,
+                "runner_up": self.runner_up, "runner_up_us": self.runner_up_us, "ratio": self.ratio,
+                "times_us": self.times_us, "spread": self.spread, "host": self.host}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Bucket":
+        return cls(tuple(data["key"]), data["label"], data["backend"], data["us"], data.get("runner_up"),
+                   data.get("runner_up_us"), dict(data.get("times_us", {})), dict(data.get("spread", {})),
+                   data.get("host"))
+
+
+_MISSING = object()
+
+
+def _log2(x: float) -> float:
+    return math.log2(max(x, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchTable:
+    """Shape bucket -> backend for one phase, from timings (policy "measure" with an automatic choice).
+
+    Axes: prefill ("num_seqs", "total_tokens", "longest"); decode ("batch", "context") in eager mode, ("batch",) in
+    graph mode (an engine captures one graph per batch size and replays it at every context length, so the backend
+    there is the one best over the timed context range: least geometric-mean time). ``cell`` gives a shape's
+    per-axis bucket index on a log scale (boundaries at the geometric midpoints of neighbouring timed values, shapes
+    beyond the ends clamped); ``bucket_for`` gives the timed bucket nearest to the shape in log space (clamped to
+    the timed range). ``default`` is the phase's headline backend: the best single backend over all buckets.
+
+    ``backend_for`` interpolates between timed shapes: where every corner of the box of timed values around a shape
+    was timed (per axis the values just below and above it, in log space), each candidate's slowdown (log of its time
+    over the corner's fastest) is interpolated multilinearly in log space and the least wins; within ``TIE`` of it,
+    the candidate whose worst corner is least (the nearest corner's choice, a near-tie there, can be far behind at
+    the next corner; scripts/replay_dispatch.py replays recorded benches with these rules). A backend that wins one
+    corner narrowly and loses badly at the next then does not serve the shapes between them. Elsewhere (sparse
+    corners, e.g. prefill) the nearest bucket serves.
+    """
+
+    phase: str
+    mode: str
+    axes: tuple[str, ...]
+    buckets: tuple[Bucket, ...]
+    default: str
+    grid_version: int
+    skipped: tuple[str, ...] = ()
+    wall_s: float | None = None
+    tie: float = TIE  # the lookup's tie band (the buckets' choices were made with the selection's)
+    pruned: tuple[tuple[str, float], ...] = ()  # (candidate, least ratio to the fastest on the coarse grid): not
+    # timed on the finer levels (timing.prune)
+    ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
+    # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
+
+    def __post_init__(self) -> None:
+        if not self.buckets:
+            raise ValueError(f"a {self.phase} dispatch table needs at least one bucket")
+        if self.ragged is not None and not (self.phase == self.ragged.phase == "decode"
+                                            and self.mode == self.ragged.mode == "eager"
+                                            and self.ragged.axes == self.axes == tuple(timing.DECODE_AXES)
+                                            and self.ragged.ragged is None):
+            raise ValueError(f"ragged buckets form one eager decode sub-table keyed by {timing.DECODE_AXES}, under an "
+                             f"eager decode table; got a {self.ragged.mode} {self.ragged.phase} sub-table keyed by "
+                             f"{self.ragged.axes}{' with its own sub-table' if self.ragged.ragged else ''} under a "
+                             f"{self.mode} {self.phase} table keyed by {self.axes}")
+        values = [sorted({b.key[i] for b in self.buckets}) for i in range(len(self.axes))]
+        bounds = [[math.sqrt(a * b) for a, b in zip(v, v[1:])] for v in values]
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_bounds", bounds)
+        object.__setattr__(self, "_cells", {})
+        object.__setattr__(self, "_by_key", {b.key: b for b in self.buckets})
+        slowdowns = {}
+        for b in self.buckets:  # a bucket without usable times (hand-made tables) just never takes part
+            times = {n: t for n, t in b.times_us.items() if isinstance(t, (int, float)) and t > 0}
+            if times:
+                best = min(times.values())
+                slowdowns[b.key] = {n: math.log(t / best) for n, t in times.items()}
+        object.__setattr__(self, "_slowdowns", slowdowns)
+        object.__setattr__(self, "_picks", {})
+        # candidates in the order the tables were built with (bucket winners first): the last tie-break
+        order = list(dict.fromkeys([b.backend for b in self.buckets] + sorted({n for b in self.buckets
+                                                                              for n in b.times_us})))
+        object.__setattr__(self, "_order", order)
+
+    def _check_key(self, key: tuple[int, ...]) -> None:
+        if len(key) != len(self.axes):  # zip would drop the extra values or the missing axes silently
+            raise ValueError(f"a {self.phase} dispatch table ({self.mode}) is keyed by ({', '.join(self.axes)}), got "
+                             f"{tuple(key)!r}")
+
+    def cell(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        """The per-axis bucket index of a shape (log-spaced boundaries, clamped at both ends)."""
+        self._check_key(key)
+        return tuple(bisect.bisect_right(b, x) for b, x in zip(self._bounds, key))
+
+    def bucket_for(self, key: tuple[int, ...]) -> Bucket:
+        """The timed bucket that serves a shape given on the table's axes: the one nearest to the shape in log
+        space, the shape first clamped per axis to the timed range and rounded to 1/16 octave (nearby shapes share
+        one memoised answer; within 1/32 octave of a midpoint the rounding may pick the other side); ties go to
+        the earlier bucket (coarse grid first). Measured from the shape itself, not from the centre of its cell: a
+        cell whose centre was not timed can be equally near to timed buckets on both sides, while the shape is
+        nearer to one of them."""
+        self._check_key(key)
+        point = tuple(round(16 * _log2(min(max(x, v[0]), v[-1]))) / 16 for x, v in zip(key, self._values))
+        hit = self._cells.get(point)
+        if hit is None:
+            hit = min(self.buckets, key=lambda b: sum((_log2(x) - p) ** 2 for x, p in zip(b.key, point)))
+            if len(self._cells) >= 4096:  # bounded memo
+                self._cells.clear()
+            self._cells[point] = hit
+        return hit
+
+    def backend_for(self, key: tuple[int, ...], longest: int | None = None) -> str:
+        """The backend that serves a shape given on the table's axes (interpolated between timed shapes, see the
+        class docstring). Per axis the position between two timed values is rounded to 1/32 of their log distance,
+        so that shapes a few tokens apart share one memoised answer. ``longest``: a decode batch's longest context
+        (exact); for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean
+        (``key[1]``), near a timed ragged bucket (``covers``), the ragged buckets decide
+        (a ragged batch's speed is not its mean's uniform batch's: module timing); elsewhere the uniform ones (no
+        extrapolation of the ragged timings over the uniform ones)."""
+        self._check_key(key)
+        if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
+            return self.ragged.backend_for(key)
+        sides = []  # per axis: ((value, weight), ...): one entry on a timed value or beyond the ends, else two
+        for values, x in zip(self._values, key):
+            x = max(x, 1)
+            i = bisect.bisect_left(values, x)
+            if i < len(values) and values[i] == x or i == 0 or i == len(values):
+                sides.append(((values[min(i, len(values) - 1)], 1.0),))
+            else:
+                lo, hi = values[i - 1], values[i]
+                w = round(32 * (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))) / 32
+                sides.append(((lo, 1.0 - w), (hi, w)))
+        sides = tuple(sides)
+        hit = self._picks.get(sides, _MISSING)
+        if hit is _MISSING:
+            hit = self._picks[sides] = self._interpolated(sides)
+        # the fallback is looked up from the exact key (bucket_for memoises on its own, finer rounding)
+        return hit or self.bucket_for(key).backend
+
+    def covers(self, key: tuple[int, ...], longest: int) -> bool:
+        """Whether this (ragged) table serves a decode batch of ``key`` = (batch, mean context) whose longest row is
+        ``longest``: at least 2 rows, longest >= timing.RAGGED_SKEW x the mean (the timed ragged batches' skew), and
+        a timed bucket within a factor of 2 of the batch and of the mean (a hole in the grid, e.g. a bucket left out
+        by the memory cap, is not bridged)."""
+        batch, mean = key[0], max(key[-1], 1)
+        return (batch >= 2 and longest >= timing.RAGGED_SKEW * mean
+                and any(b.key[0] / 2 <= batch <= 2 * b.key[0] and b.key[-1] / 2 <= mean <= 2 * b.key[-1]
+                        for b in self.buckets))
+
+    def _interpolated(self, sides: tuple) -> str | None:
+        """The least interpolated slowdown over the box of timed values ``sides`` (per axis, (value, weight) pairs);
+        None where a corner of the box was not timed."""
+        corners = []
+        for combo in itertools.product(*sides):
+            weight = math.prod(w for _, w in combo)
+            if weight <= 0:  # rounded onto the other corner: it does not take part
+                continue
+            corner = tuple(v for v, _ in combo)
+            if corner not in self._slowdowns:
+                return None
+            corners.append((corner, weight))
+        if len(corners) == 1:  # on a timed shape (or beyond the ends): that bucket's choice
+            return self._by_key[corners[0][0]].backend
+        names = set.intersection(*(set(self._slowdowns[c]) for c, _ in corners))
+        if not names:
+            return None
+        cost = {n: sum(w * self._slowdowns[c][n] for c, w in corners) for n in names}
+        best = min(cost.values())
+        tied = {n for n, c in cost.items() if c <= best + math.log1p(self.tie) + 1e-12}
+        worst = {n: max(self._slowdowns[c][n] for c, _ in corners) for n in tied}
+        return min(tied, key=lambda n: (worst[n], cost[n], self._order.index(n)))
+
+    def __str__(self) -> str:
+        """The table as text: a line of what it is (phase, mode, axes, default backend, wins, skipped and pruned
+        candidates), then one line per timed bucket (its backend, time, runner-up and ratio); the ragged sub-table
+        after it."""
+        return "\n".join(self._lines(""))
+
+    def _lines(self, kind: str) -> list[str]:
+        wins = ", ".join(f"{n} {k}" for n, k in self.wins().items())
+        head = (f"{kind}{self.phase} dispatch ({self.mode}) over {' x '.join(self.axes)}: {len(self.buckets)} "
+                f"buckets, default {self.default}; wins: {wins}")
+        if self.skipped:
+            head += f"; skipped: {', '.join(self.skipped)}"
+        if self.pruned:
+            head += "; pruned: " + ", ".join(f"{n} ({r:.2f}x)" for n, r in self.pruned)
+        lines = [head]
+        for b in self.buckets:
+            runner_up = f" (runner-up {b.runner_up} {b.ratio:.2f}x)" if b.runner_up and b.ratio else ""
+            lines.append(f"  {b.label}: {b.backend} {b.us:.1f} us{runner_up}")
+        return lines + (self.ragged._lines("ragged ") if self.ragged is not None else [])
+
+    def wins(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for b in self.buckets:
+            counts[b.backend] = counts.get(b.backend, 0) + 1
+        return counts
+
+    def to_json(self) -> dict:
+        return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
+                "grid_version": self.grid_version, "skipped": list(self.skipped), "wall_s": self.wall_s,
+                "tie": self.tie, "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets],
+                "ragged": self.ragged.to_json() if self.ragged is not None else None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DispatchTable":
+        ragged = data.get("ragged")
+        return cls(data["phase"], data["mode"], tuple(data["axes"]),
+                   tuple(Bucket.from_json(b) for b in data["buckets"]),
+                   data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"),
+                   tie=data.get("tie", TIE), pruned=tuple(data.get("pruned", {}).items()),
+                   ragged=cls.from_json(ragged) if ragged else None)
+
+
+def pick(times: dict[str, float], order: list[str], tie: float = TIE) -> str:
+    """The fastest of ``times`` (name -> us); within ``tie`` of the fastest, the earliest in ``order`` wins."""
+    best = min(times.values())
+    return next(n for n in order if n in times and times[n] <= best * (1 + tie))
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _make_bucket(key: tuple, label: str, times: dict[str, float], spread: dict[str, float], order: list[str],
+                 host: float | None = None) -> Bucket:
+    chosen = pick(times, order)
+    others = sorted((t, n) for n, t in times.items() if n != chosen)
+    return Bucket(tuple(key), label, chosen, times[chosen], others[0][1] if others else None,
+                  others[0][0] if others else None, dict(times), dict(spread), host)
+
+
+def build_table(measured: dict, order: list[str], usable: set[str] | None = None) -> DispatchTable | None:
+    """A dispatch table from ``timing.measure``'s result (or hand-made timings of the same form).
+
+    ``order``: the candidates in priority order (ties within TIE go to the earlier); ``usable``: the candidates
+    allowed to win (default: all in ``order``). Buckets where no usable candidate has a time are dropped; None when
+    nothing is left.
+    """
+    usable = set(order) if usable is None else usable
+    order = [n for n in order if n in usable]
+    phase, mode = measured["phase"], measured["mode"]
+    uniform = [b for b in measured["buckets"] if not b.get("ragged")]
+    ragged = [{k: v for k, v in b.items() if k != "ragged"} for b in measured["buckets"] if b.get("ragged")]
+    if ragged and phase == "decode" and mode == "eager":  # the ragged buckets' own table (graph mode: none)
+        sub = build_table({**measured, "buckets": ragged, "pruned": {}, "wall_s": None,
+                           "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")]},
+                          order, usable)
+        table = build_table({**measured, "buckets": uniform,  # ragged labels stay here when no sub-table holds them
+                             "skipped": [x for x in measured.get("skipped", ())
+                                         if sub is None or not x.startswith("ragged ")]},
+                            order, usable)
+        # without uniform times there is no table (the ragged buckets alone do not serve uniform batches)
+        return dataclasses.replace(table, ragged=sub) if table is not None else None
+    rows = []
+    for b in uniform:
+        times = {n: t for n, t in b["us"].items() if n in usable and t and t > 0}
+        if times:
+            rows.append((tuple(b["key"]), b["label"], times, b.get("spread", {}), b.get("host")))
+    if not rows:
+        return None
+    axes = tuple(measured["axes"])
+    if phase == "decode" and mode == "graph":  # one bucket per batch size, best over the context range
+        by_batch: dict[int, list] = {}
+        for key, label, times, spread, _ in rows:  # graph mode: no host probes
+            by_batch.setdefault(key[0], []).append((key, times, spread))
+        rows = []
+        for batch, group in sorted(by_batch.items()):
+            names = [n for n in order if all(n in times for _, times, _ in group)]
+            if not names:  # no candidate was timed at every context of this batch size
+                continue
+            ctxs = [key[1] for key, _, _ in group]
+            times = {n: _geomean([t[n] for _, t, _ in group]) for n in names}
+            spread = {n: max(s.get(n, 0.0) for _, _, s in group) for n in names}
+            rows.append(((batch,), f"batch {batch} (ctx {min(ctxs)}-{max(ctxs)})", times, spread, None))
+        axes = axes[:1]
+        if not rows:
+            return None
+    buckets = tuple(_make_bucket(key, label, times, spread, order, host) for key, label, times, spread, host in rows)
+    everywhere = [n for n in order if all(n in b.times_us for b in buckets)]
+    if everywhere:
+        default = pick({n: _geomean([b.times_us[n] for b in buckets]) for n in everywhere}, order)
+    else:
+        wins: dict[str, int] = {}
+        for b in buckets:
+            wins[b.backend] = wins.get(b.backend, 0) + 1
+        default = max(order, key=lambda n: (wins.get(n, 0), -order.index(n)))
+    return DispatchTable(phase, mode, axes, buckets, default, measured["grid_version"],
+                         tuple(measured.get("skipped", ())), measured.get("wall_s"),
+                         pruned=tuple((n, r) for n, r in measured.get("pruned", {}).items() if n in usable))
+

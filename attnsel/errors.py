@@ -1,0 +1,13 @@
+"""The base of attnsel's own errors: what a caller got wrong or what attnsel refuses, each message naming it and what
+is allowed. The CLI shows these as one line (exit 2; SelectionError: exit 3); any other exception is a bug and keeps
+its traceback."""
+
+
+class AttnselError(Exception):
+    """An error attnsel raises on purpose, with a message that names the cause and what is allowed."""
+
+
+class InvalidArgument(AttnselError, ValueError):
+    """An argument, option or path attnsel refuses (select's policy, mode, timeouts, device; a cache directory that
+    cannot be one; a model directory that is none), or a request this installation cannot serve (a missing serving
+    package)."""

@@ -1,0 +1,95 @@
+"""The dispatch table as pure data (attnsel/dispatch.py): built from timings, looked up from host ints, printed, and
+through JSON and back, in milliseconds: no worker, no device, no cache."""
+import json
+import time
+
+import pytest
+
+from attnsel.dispatch import TIE, Bucket, DispatchTable, build_table, pick
+
+AXES = ["batch", "context"]
+
+
+def measured(cells, mode="eager", ragged=None, skipped=()):
+    """timing.measure's result form from {key: {name: us}} (ragged: more cells marked as ragged buckets)."""
+    def bucket(key, times, is_ragged=False):
+        label = (f"ragged {key[0]} (mean {key[1]})" if is_ragged else "x".join(map(str, key)))
+        return {"key": list(key), "label": label, "us": dict(times), "spread": {n: 0.02 for n in times},
+                "errors": {}, "ragged": is_ragged, "host": 1.0}
+    buckets = [bucket(k, t) for k, t in cells.items()] + [bucket(k, t, True) for k, t in (ragged or {}).items()]
+    return {"phase": "decode", "mode": mode, "grid_version": 9, "axes": AXES, "reps": 7, "buckets": buckets,
+            "skipped": list(skipped), "wall_s": 2.5, "pruned": {"c": 1.7}}
+
+
+CELLS = {(1, 256): {"a": 10.0, "b": 12.0, "c": 30.0}, (1, 4096): {"a": 40.0, "b": 30.0, "c": 90.0},
+         (64, 256): {"a": 20.0, "b": 30.0, "c": 50.0}, (64, 4096): {"a": 400.0, "b": 300.0, "c": 900.0}}
+RAGGED = {(32, 1024): {"a": 90.0, "b": 120.0}, (128, 1024): {"a": 300.0, "b": 450.0}}
+
+
+def test_lookup_from_host_ints():
+    table = build_table(measured(CELLS), ["a", "b", "c"])
+    assert table.axes == ("batch", "context") and len(table.buckets) == 4
+    assert table.backend_for((1, 256)) == "a" and table.backend_for((1, 4096)) == "b"  # on timed shapes
+    assert table.backend_for((64, 256)) == "a" and table.backend_for((64, 4096)) == "b"
+    assert table.backend_for((1, 10**6)) == "b" and table.backend_for((10**4, 1)) == "a"  # clamped beyond the ends
+    assert table.backend_for((8, 1024)) in ("a", "b")  # between timed shapes: interpolated, one of the candidates
+    assert table.bucket_for((2, 300)).key == (1, 256)  # nearest timed bucket in log space
+    assert table.cell((0, 0)) == (0, 0) and table.cell((10**6, 10**6)) == (1, 1)
+    with pytest.raises(ValueError, match=r"keyed by \(batch, context\), got \(4,\)"):
+        table.backend_for((4,))
+
+
+def test_the_ragged_sub_table_serves_skewed_batches_only():
+    table = build_table(measured(CELLS, ragged=RAGGED), ["a", "b", "c"])
+    assert table.ragged is not None and [b.key for b in table.ragged.buckets] == [(32, 1024), (128, 1024)]
+    assert table.backend_for((64, 1024)) == table.backend_for((64, 1024), longest=1100)  # mild skew: uniform
+    assert table.ragged.covers((64, 1024), 4000) and table.backend_for((64, 1024), longest=4000) == "a"
+    assert not table.ragged.covers((1, 1024), 4000)  # one row is never ragged
+
+
+def test_ties_go_by_priority_and_pick_is_pure():
+    assert pick({"a": 10.05, "b": 10.0}, ["a", "b"]) == "a"  # within TIE of the fastest: the earlier wins
+    assert pick({"a": 10.2, "b": 10.0}, ["a", "b"]) == "b"
+    assert TIE == 0.01
+    assert build_table(measured({(1, 256): {"a": 10.05, "b": 10.0}}), ["b", "a"]).buckets[0].backend == "b"
+
+
+def test_json_round_trip_keeps_everything_the_lookup_reads():
+    table = build_table(measured(CELLS, ragged=RAGGED, skipped=["64x16384"]), ["a", "b", "c"])
+    again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again == table and again.to_json() == table.to_json()
+    assert again.ragged == table.ragged and again.skipped == ("64x16384",) and again.pruned == (("c", 1.7),)
+    shapes = [(b, c) for b in (1, 3, 17, 64, 500) for c in (16, 300, 2000, 9000)]
+    assert [again.backend_for(s, longest=4 * s[1]) for s in shapes] == [table.backend_for(s, longest=4 * s[1])
+                                                                       for s in shapes]
+    bucket = table.buckets[0]
+    assert Bucket.from_json(json.loads(json.dumps(bucket.to_json()))) == bucket
+
+
+def test_graph_mode_tables_are_keyed_by_batch_alone():
+    table = build_table(measured(CELLS, mode="graph"), ["a", "b", "c"])
+    assert table.axes == ("batch",) and [b.key for b in table.buckets] == [(1,), (64,)]
+    assert DispatchTable.from_json(table.to_json()).backend_for((10,)) == table.backend_for((10,))
+
+
+def test_printing_names_every_bucket_and_its_choice():
+    table = build_table(measured(CELLS, ragged=RAGGED, skipped=["64x16384"]), ["a", "b", "c"])
+    text = str(table)
+    lines = text.splitlines()
+    assert lines[0] == ("decode dispatch (eager) over batch x context: 4 buckets, default a; wins: a 2, b 2; "
+                        "skipped: 64x16384; pruned: c (1.70x)")
+    assert "  1x256: a 10.0 us (runner-up b 1.20x)" in lines
+    assert "  64x4096: b 300.0 us (runner-up a 1.33x)" in lines
+    assert lines[-3] == "ragged decode dispatch (eager) over batch x context: 2 buckets, default a; wins: a 2"
+    assert lines[-1] == "  ragged 128 (mean 1024): a 300.0 us (runner-up b 1.50x)"
+    one = build_table(measured({(1, 256): {"a": 10.0}}), ["a"])
+    assert str(one).splitlines()[1] == "  1x256: a 10.0 us"
+
+
+def test_the_pure_functions_take_milliseconds():
+    start = time.perf_counter()
+    for _ in range(20):
+        table = build_table(measured(CELLS, ragged=RAGGED), ["a", "b", "c"])
+        DispatchTable.from_json(json.loads(json.dumps(table.to_json()))).backend_for((7, 700), longest=3000)
+        str(table)
+    assert (time.perf_counter() - start) / 20 < 0.05  # per build + round trip + lookup + print
