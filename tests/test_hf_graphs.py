@@ -19,7 +19,7 @@ def _fresh(monkeypatch):
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     flash_api.configure(policy="priority")
-    monkeypatch.setattr(flash_api, "_captured", [])
+    monkeypatch.setattr(flash_api.default(), "_captured", [])
     yield
     flash_api.configure()
 
