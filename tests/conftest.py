@@ -40,7 +40,10 @@ def _isolated(tmp_path, monkeypatch):
 @pytest.fixture
 def inproc_worker(monkeypatch):
     """Validation jobs run in a thread of this process (tests/fixtures/inproc_worker.py) instead of a spawned worker:
-    for tests of what the selecting process does with the results, not of the process itself."""
+    for tests of what the selecting process does with the results, not of the process itself. CPU machines only:
+    on a CUDA machine (the GPU tests) the real worker runs, so that no backend's fault can reach the test process."""
+    if _cuda:
+        return
     from attnsel.validate import runner
     from tests.fixtures.inproc_worker import InProcessWorker
 
@@ -50,8 +53,8 @@ def inproc_worker(monkeypatch):
 @pytest.fixture(params=["thread", pytest.param("process", marks=pytest.mark.slow)])
 def thread_or_process_worker(request, monkeypatch):
     """Each test that takes this runs twice: with the worker in a thread of this process (the default run) and with
-    the spawned worker process (the slow stage)."""
-    if request.param == "thread":
+    the spawned worker process (the slow stage). On a CUDA machine both spawn the real worker (inproc_worker)."""
+    if request.param == "thread" and not _cuda:
         from attnsel.validate import runner
         from tests.fixtures.inproc_worker import InProcessWorker
 
