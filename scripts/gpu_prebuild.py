@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnsel.backends import get  # noqa: E402
 from attnsel.spec import AttentionSpec, layer_specs  # noqa: E402
-from tests.feature_cases import decode_case, prefill_case  # noqa: E402
+from tests.fixtures.feature_cases import decode_case, prefill_case  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("modules", nargs="+", metavar="NAME:KV:PHASE")

@@ -2,8 +2,8 @@
 the validation's check; a mismatch is logged with the batch's shape, counted, demotes the backend for that bucket in
 this process and drops its cached verdict.
 
-The fault is real: tests/canary_backends.py's plugin passes validation (in the worker) and goes wrong after its 50th
-run in the serving process, as kernels do that fail after many requests."""
+The fault is real: tests/fixtures/canary_backends.py's plugin passes validation (in the worker) and goes wrong after
+its 50th run in the serving process, as kernels do that fail after many requests."""
 import json
 import logging
 
@@ -22,12 +22,12 @@ from attnsel.validate.cases import check_output, cumulative, decode_case, prefil
 
 def max_abs_err(out, ref):
     return (out.float() - ref).abs().max().item()
-from tests.canary_backends import GOOD_CALLS, LATE, LateWrong
+from tests.fixtures.canary_backends import GOOD_CALLS, LATE, LateWrong
 
 SPEC = AttentionSpec(4, 2, 64, "bf16", page_size=4)
 CPU = torch.device("cpu")
 LENS = [5, 17, 0, 9]  # decode rows (a zero-length padding row among them)
-PLUGIN = "tests.canary_backends:LATE"
+PLUGIN = "tests.fixtures.canary_backends:LATE"
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""The validation cases and checks (attnsel/validate/cases.py) against real faulty backends (tests/fault_numerics.py):
-decode traps, zero-length rows, a tolerance independent of every backend, the cross-candidate outlier rule, inputs
-changed by a candidate, and every spec feature (a backend that gets a feature wrong is rejected)."""
+"""The validation cases and checks (attnsel/validate/cases.py) against real faulty backends
+(tests/fixtures/fault_numerics.py): decode traps, zero-length rows, a tolerance independent of every backend, the
+cross-candidate outlier rule, inputs changed by a candidate, and every spec feature (a backend that gets a feature
+wrong is rejected)."""
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from attnsel.backends.torch_sdpa import TorchBackend
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
 from attnsel.validate import cases, spot, yardstick
-from tests import fault_numerics as faults
+from tests.fixtures import fault_numerics as faults
 
 CPU = torch.device("cpu")
 SPEC = AttentionSpec(4, 2, 64, "fp16", page_size=4)
@@ -151,10 +152,13 @@ def test_tolerance_comes_from_no_backend(phase, monkeypatch):
     assert torch.equal(yardstick.row_tolerance(SPEC, case.yard_err), 4 * case.yard_err + yardstick.TOL_FLOOR["fp16"])
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_broken_torch_is_rejected_in_a_real_worker(monkeypatch):
     """A plugin named "torch" replaces the built-in: the worker rejects it in both phases (nothing is derived from
-    it) and the selection falls back to a correct backend."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:BROKEN_TORCH,tests.fault_numerics:TORCH_COPY")
+    it) and the selection falls back to a correct backend. (A worker thread by default, a process in the slow
+    stage.)"""
+    monkeypatch.setenv("ATTNSEL_BACKENDS",
+                       "tests.fixtures.fault_numerics:BROKEN_TORCH,tests.fixtures.fault_numerics:TORCH_COPY")
     sel = select(SPEC, policy="priority", prefill_priority=["torch", "torch_copy"],
                  decode_priority=["torch", "torch_copy"])
     cands = {p: {c.name: c for c in sel.candidates[p]} for p in ("prefill", "decode")}
@@ -221,10 +225,12 @@ def test_inputs_are_restored_when_the_candidate_raises(phase):
     assert judge(TORCH, SPEC, phase, case)["status"] == "valid"
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_faults_in_a_real_worker(monkeypatch):
-    """One auto selection over the numerical faults, in a worker process, plugins loaded like a user's: each
-    rejected with its reason, torch after the input-changing candidates is valid and selected."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:ALL")
+    """One auto selection over the numerical faults, in a worker (a thread by default, a process in the slow stage),
+    plugins loaded like a user's: each rejected with its reason, torch after the input-changing candidates is valid
+    and selected."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:ALL")
     sel = select(SPEC, policy="priority",
                  prefill_priority=["mutate_prefill", "top_left", "off_by_one", "mutate_then_raise", "stale_plan",
                                    "wrong_when_alone", "torch"],
@@ -422,10 +428,11 @@ def test_run_inputs_are_passed_only_with_the_feature():
     assert judge(Legacy(), SPEC, "decode", plain)["status"] == "valid"
 
 
+@pytest.mark.usefixtures("inproc_worker")
 def test_selection_rejects_the_sloppy_candidate(monkeypatch):
     """Wired into selection: the sloppy candidate comes first in priority; the selection rejects it (its own rows'
     check; when it set the tolerance, only the outlier rule did) and serves torch."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:SLOPPY")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:SLOPPY")
     spec = AttentionSpec(4, 2, 64, "bf16", softcap=50.0)
     sel = select(spec, policy="priority", prefill_priority=["sloppy", "torch"], decode="torch")
     sloppy = next(c for c in sel.candidates["prefill"] if c.name == "sloppy")

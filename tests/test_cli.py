@@ -14,6 +14,14 @@ from attnsel.cli import build_parser, main
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "examples" / "configs" / "llama-3-8b.json")
 SMALL = ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "fp16"]
+# The commands run in this process validate in a worker thread (tests/fixtures/inproc_worker.py): the CLI is under
+# test, not the worker process (the tests that start attnsel as a subprocess spawn real workers).
+pytestmark = pytest.mark.usefixtures("inproc_worker")
+# The default candidates on a large spec take Triton's interpreter minutes: by default torch alone is validated
+# there (what the CLI prints does not depend on which backend won); the slow stage runs the default candidates.
+PRIORITY = pytest.mark.parametrize("priority", [
+    pytest.param(["--prefill-priority", "torch", "--decode-priority", "torch"], id="torch"),
+    pytest.param([], id="default", marks=pytest.mark.slow)])
 
 
 def run(capsys, *argv):
@@ -60,8 +68,9 @@ def test_report_json_is_strict_json(capsys, monkeypatch):
     assert code == 0 and json.loads(out, parse_constant=refuse)["odd"] == [None, None, 1.5]
 
 
-def test_report_table_ends_with_the_two_choices(capsys):
-    code, out, _ = run(capsys, "report", "--config", LLAMA, "--policy", "priority")
+@PRIORITY
+def test_report_table_ends_with_the_two_choices(capsys, priority):
+    code, out, _ = run(capsys, "report", "--config", LLAMA, "--policy", "priority", *priority)
     assert code == 0
     lines = out.strip().splitlines()
     assert lines[-2].startswith("prefill: ") and lines[-2].endswith("(auto)")
@@ -144,7 +153,7 @@ def test_explicit_unavailable_backend_exits_3(capsys):
 
 
 def test_explicit_backend_failing_validation_exits_3_and_is_not_replaced(capsys, monkeypatch):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NAN_DECODE")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:NAN_DECODE")
     code, out, err = run(capsys, "select", *SMALL, "--llm_decode_att_backend", "nan_decode")
     assert code == 3
     assert "decode backend 'nan_decode' was requested explicitly but is rejected" in " ".join(err.split())
@@ -194,9 +203,10 @@ def test_cache_commands(capsys, monkeypatch):
 CONFIGS = ROOT / "examples" / "configs"
 
 
-def test_report_json_one_object_per_layer_kind(capsys):
+@PRIORITY
+def test_report_json_one_object_per_layer_kind(capsys, priority):
     code, out, err = run(capsys, "report", "--config", str(CONFIGS / "gpt-oss-20b.json"), "--json", "--policy",
-                         "priority", "--device", "cpu")
+                         "priority", "--device", "cpu", *priority)
     assert code == 0, err
     data = json.loads(out)
     assert list(data) == ["layer_kinds"]
@@ -212,15 +222,16 @@ def test_report_json_one_object_per_layer_kind(capsys):
             assert statuses[kind["selection"][phase]["backend"]] == "selected"
 
 
-def test_select_and_report_label_each_layer_kind(capsys):
+@PRIORITY
+def test_select_and_report_label_each_layer_kind(capsys, priority):
     code, out, _ = run(capsys, "select", "--config", str(CONFIGS / "gemma-3-1b.json"), "--policy", "priority",
-                       "--device", "cpu")
+                       "--device", "cpu", *priority)
     assert code == 0
     assert [line.split(": prefill")[0].split(": decode")[0] for line in out.splitlines()] == [
         "sliding_attention (22 layers)"] * 2 + ["full_attention (4 layers)"] * 2
     assert re.fullmatch(r"sliding_attention \(22 layers\): prefill: \w+ \(auto\)", out.splitlines()[0])
     code, out, _ = run(capsys, "report", "--config", str(CONFIGS / "gemma-3-1b.json"), "--policy", "priority",
-                       "--device", "cpu")
+                       "--device", "cpu", *priority)
     assert code == 0
     assert "sliding_attention (22 layers): layers 0-4, 6-10, 12-16, 18-22, 24-25" in out
     assert "full_attention (4 layers): layers 5, 11, 17, 23" in out
@@ -342,10 +353,11 @@ def test_no_numpy_warning_numpy_is_a_dependency():
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "attnsel 0.2.0\n", "")
 
 
-def test_a_layer_kind_that_cannot_be_served_is_shown_and_exits_3(capsys, monkeypatch):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NAN_DECODE")
+@PRIORITY
+def test_a_layer_kind_that_cannot_be_served_is_shown_and_exits_3(capsys, monkeypatch, priority):
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:NAN_DECODE")
     code, out, err = run(capsys, "report", "--config", str(CONFIGS / "gemma-3-1b.json"), "--json", "--policy",
-                         "priority", "--device", "cpu", "--llm_decode_att_backend", "nan_decode")
+                         "priority", "--device", "cpu", "--llm_decode_att_backend", "nan_decode", *priority[:2])
     assert code == 3
     kinds = json.loads(out)["layer_kinds"]
     assert [k["kind"] for k in kinds] == ["sliding_attention", "full_attention"]
@@ -382,8 +394,11 @@ def test_a_closed_output_pipe_exits_quietly(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
-@pytest.mark.parametrize("argv", [["cache", "path"], ["report", *SMALL, "--policy", "priority", "--no-cache"]],
-                         ids=["print", "rich-table"])
+@pytest.mark.parametrize("argv", [["cache", "path"], ["report", *SMALL, "--policy", "priority", "--no-cache",
+                                                      "--prefill-priority", "torch", "--decode-priority", "torch"],
+                                  pytest.param(["report", *SMALL, "--policy", "priority", "--no-cache"],
+                                               marks=pytest.mark.slow)],
+                         ids=["print", "rich-table", "rich-table-default"])
 def test_output_that_stdout_cannot_take_is_one_line_exit_1(tmp_path, argv):
     """`attnsel cache path > /dev/full`: writing stdout fails with ENOSPC. Was a traceback; now one line naming
     stdout and the OS's reason, exit 1 (the command's own OS errors keep their tracebacks)."""

@@ -1,6 +1,8 @@
-"""Fault matrix: real faults in plugin backends, each in prefill and in decode, all in one auto selection; then
-the faults about the machine (failed start, out of memory, a case that cannot be built), a worker that will not
-exit, and a parent interrupted mid-selection."""
+"""Fault matrix: real faults in plugin backends, all in one auto selection (by default one fault of each kind the
+runner tells apart, in prefill; the slow stage: every fault, each in prefill and in decode); then the faults about
+the machine (failed start, out of memory, a case that cannot be built), a worker that will not exit, and a parent
+interrupted mid-selection."""
+import types
 import logging
 import os
 import re
@@ -17,7 +19,7 @@ from attnsel.cache import ResultCache
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
 from attnsel.validate import runner
-from tests.fault_backends import BROKEN_CONTEXT, FAULTS
+from tests.fixtures.fault_backends import BROKEN_CONTEXT, FAULTS
 
 TIMEOUT = 8.0
 SPEC = AttentionSpec(4, 2, 64, "fp32", page_size=4)
@@ -34,79 +36,99 @@ EXPECTED = {
 }
 DEATHS = ("segfault", "abort", "hang")
 RESTARTS = ("import_error", "raise", "sticky", "poison")  # the worker survives, but is not trusted afterwards
+# One fault of each kind the runner tells apart: a death by signal, a timeout, a raise (the worker survives, is
+# not trusted), a process left unable to compute (the health probe), a wrong output (no fault: a verdict).
+KINDS = ("segfault", "hang", "raise", "poison", "nan")
 
 
-@pytest.fixture(scope="module")
-def faulty(tmp_path_factory):
+@pytest.fixture(scope="module", params=[pytest.param((KINDS, ("prefill",)), id="kinds-prefill"),
+                                        pytest.param((FAULTS, ("prefill", "decode")), id="all-both",
+                                                     marks=pytest.mark.slow)])
+def faulty(request, tmp_path_factory):
+    faults, phases = request.param
     mp = pytest.MonkeyPatch()
-    mp.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    mp.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:ALL")
     cache_dir = tmp_path_factory.mktemp("cache")
     mp.setenv("ATTNSEL_CACHE_DIR", str(cache_dir))
-    order = {p: [f"{f}_{p}" for f in FAULTS] + ["torch"] for p in ("prefill", "decode")}
+    order = {p: [f"{f}_{p}" for f in faults if p in phases] + ["torch"] for p in ("prefill", "decode")}
     spawns_before = runner.spawn_count
     t0 = time.monotonic()
     sel = select(SPEC, policy="priority", prefill_priority=order["prefill"], decode_priority=order["decode"],
                  timeout=TIMEOUT)
     elapsed = time.monotonic() - t0
     mp.undo()
-    return sel, elapsed, runner.spawn_count - spawns_before, ResultCache(cache_dir).entries()
+    return types.SimpleNamespace(sel=sel, elapsed=elapsed, spawns=runner.spawn_count - spawns_before,
+                                 entries=ResultCache(cache_dir).entries(), faults=faults, phases=phases)
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
-@pytest.mark.parametrize("fault", FAULTS)
-def test_fault_is_rejected_with_its_reason(faulty, fault, phase):
-    sel, *_ = faulty
-    cand = {c.name: c for c in sel.candidates[phase]}[f"{fault}_{phase}"]
-    assert cand.status == "rejected"
-    assert EXPECTED[fault].format(phase=phase) in cand.reason
+def test_fault_is_rejected_with_its_reason(faulty):
+    wrong = []
+    for phase in faulty.phases:
+        cands = {c.name: c for c in faulty.sel.candidates[phase]}
+        for fault in faulty.faults:
+            cand = cands[f"{fault}_{phase}"]
+            if cand.status != "rejected" or EXPECTED[fault].format(phase=phase) not in cand.reason:
+                wrong.append(f"{fault}_{phase}: {cand.status}: {cand.reason}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_death_reasons_carry_the_stderr_tail(faulty):
-    sel, *_ = faulty
-    cands = {c.name: c for c in sel.candidates["prefill"]}
+    cands = {c.name: c for c in faulty.sel.candidates["prefill"]}
     # faulthandler in the worker prints the Python stack of the crash to stderr
     assert "stderr tail:" in cands["segfault_prefill"].reason
     assert "Segmentation fault" in cands["segfault_prefill"].reason
-    assert "Aborted" in cands["abort_prefill"].reason
+    if "abort" in faulty.faults:
+        assert "Aborted" in cands["abort_prefill"].reason
     # a hung worker is asked for its stack before it is killed: the reason shows where it hung
     assert "fault_backends.py" in cands["hang_prefill"].reason
 
 
 def test_auto_falls_back_and_parent_is_unharmed(faulty):
-    sel, *_ = faulty
-    assert (sel.prefill, sel.decode) == ("torch", "torch")
-    assert sel.prefill_source == sel.decode_source == "auto"
+    assert (faulty.sel.prefill, faulty.sel.decode) == ("torch", "torch")
+    assert faulty.sel.prefill_source == faulty.sel.decode_source == "auto"
 
 
 def test_worker_respawned_only_after_faults(faulty):
-    sel, _, spawns, _ = faulty
-    deaths = 2 * len(DEATHS)
-    assert sel.stats["deaths"] == deaths
-    assert spawns == sel.stats["spawns"] == deaths + 2 * len(RESTARTS) + 1
+    deaths = len(faulty.phases) * len(set(DEATHS) & set(faulty.faults))
+    restarts = len(faulty.phases) * len(set(RESTARTS) & set(faulty.faults))
+    assert faulty.sel.stats["deaths"] == deaths
+    assert faulty.spawns == faulty.sel.stats["spawns"] == deaths + restarts + 1
 
 
 def test_total_time_bounded_by_timeouts(faulty):
-    _, elapsed, spawns, _ = faulty
-    # two hangs cost a timeout each; every other spawn costs a torch import (a few seconds on CPU)
-    assert elapsed < 2 * TIMEOUT + spawns * 15
+    # each hang costs a timeout; every other spawn costs a torch import (a few seconds on CPU)
+    assert faulty.elapsed < len(faulty.phases) * TIMEOUT + faulty.spawns * 15
 
 
 def test_a_broken_process_blames_no_later_candidate(faulty):
     """sticky/poison break the process as a CUDA fault breaks a context: every later call there raises. The next
     candidates run in a fresh worker, torch is valid in both phases, and that is what the cache holds."""
-    sel, _, _, entries = faulty
-    verdicts = {(e["backend"], e["phase"]): e["status"] for e in entries.values() if "backend" in e}
+    verdicts = {(e["backend"], e["phase"]): e["status"] for e in faulty.entries.values() if "backend" in e}
     for phase in ("prefill", "decode"):
-        assert {c.name: c.status for c in sel.candidates[phase]}["torch"] == "selected"
+        assert {c.name: c.status for c in faulty.sel.candidates[phase]}["torch"] == "selected"
         assert verdicts[("torch", phase)] == "valid"
-        assert verdicts[(f"sticky_{phase}", phase)] == verdicts[(f"poison_{phase}", phase)] == "rejected"
-    assert not any("could not build" in e.get("reason", "") for e in entries.values())
+    for phase in faulty.phases:
+        for fault in set(faulty.faults) & {"sticky", "poison"}:
+            assert verdicts[(f"{fault}_{phase}", phase)] == "rejected"
+    assert not any("could not build" in e.get("reason", "") for e in faulty.entries.values())
 
 
+def test_crashes_are_cached_timeouts_are_not(faulty):
+    cached = {(e["backend"], e["phase"]) for e in faulty.entries.values() if "backend" in e}
+    for phase in faulty.phases:
+        assert (f"segfault_{phase}", phase) in cached
+        assert (f"hang_{phase}", phase) not in cached  # a timeout may be a slow first JIT build
+
+
+# Faults whose handling is the selecting process's take thread_or_process_worker (conftest.py): the worker runs in
+# a thread of the test process by default (tests/fixtures/inproc_worker.py), in a spawned process in the slow stage.
+
+
+@pytest.mark.slow
 def test_timeouts_are_not_cached_but_crashes_are(monkeypatch):
     from attnsel.cache import ResultCache
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:ALL")
     kw = dict(policy="priority", prefill_priority=["segfault_prefill", "hang_prefill", "torch"],
               decode_priority=["torch"], timeout=3.0)
     first = select(SPEC, **kw)
@@ -119,8 +141,9 @@ def test_timeouts_are_not_cached_but_crashes_are(monkeypatch):
     assert second.prefill == "torch"
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_rejections_are_logged(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:ALL")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:ALL")
     with caplog.at_level(logging.WARNING):
         sel = select(SPEC, policy="priority", prefill_priority=["raise_prefill", "torch"],
                      decode_priority=["nan_decode", "torch"])
@@ -143,7 +166,7 @@ def test_failed_start_is_retried_once_and_not_cached(tmp_path, monkeypatch):
     """A worker that exits before "ready" (here: a plugin import kills it) is about the machine: the first failure
     is retried; two in a row reject the tasks as transient, nothing is cached, and the next selection works
     without `attnsel cache clear`."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_start:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_start:BACKENDS")
     monkeypatch.setenv("ATTNSEL_TEST_FAIL_START", "3")
     monkeypatch.setenv("ATTNSEL_TEST_FAIL_START_COUNT", str(tmp_path / "starts"))
     with pytest.raises(SelectionError) as err:
@@ -162,15 +185,21 @@ def test_failed_start_is_retried_once_and_not_cached(tmp_path, monkeypatch):
 
 def test_case_that_cannot_be_built_blames_no_candidate(tmp_path, monkeypatch):
     """make_case failing is attnsel's or the machine's fault: retried in a fresh worker, never blamed on the
-    candidate about to run; failing twice rejects that phase's tasks as transient (not cached)."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_case:BACKENDS")
+    candidate about to run."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_case:BACKENDS")
     monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE_COUNT", str(tmp_path / "cases"))
     monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE", "1")
     sel = select(SPEC, **PRIO)
     assert (sel.prefill, sel.decode) == ("torch", "torch")
     assert _cached()[("torch", "decode")]["status"] == "valid"
-    ResultCache().clear()
-    monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE", "3")
+
+
+@pytest.mark.slow
+def test_case_that_cannot_be_built_twice_is_not_cached(tmp_path, monkeypatch):
+    """Failing twice rejects that phase's tasks as transient (not cached)."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_case:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE_COUNT", str(tmp_path / "cases"))
+    monkeypatch.setenv("ATTNSEL_TEST_FAIL_CASE", "2")
     with pytest.raises(SelectionError) as err:
         select(SPEC, **PRIO)
     cand = err.value.selection.candidates["decode"][0]
@@ -180,8 +209,9 @@ def test_case_that_cannot_be_built_blames_no_candidate(tmp_path, monkeypatch):
     assert set(_cached()) == {("torch", "prefill")}
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM")
     before = runner.spawn_count
     sel = select(SPEC, policy="priority", prefill_priority=["oom", "torch"], decode_priority=["torch"])
     cand = sel.candidates["prefill"][0]
@@ -193,7 +223,7 @@ def test_out_of_memory_is_retried_once_and_not_cached(monkeypatch):
 
 
 def _probe_oom(monkeypatch, tmp_path, workers: int) -> dict:
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_probe:BACKENDS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_probe:BACKENDS")
     monkeypatch.setenv("ATTNSEL_TEST_PROBE_OOM", str(workers))
     monkeypatch.setenv("ATTNSEL_TEST_PROBE_OOM_COUNT", str(tmp_path / "probe_ooms"))
     return dict(policy="priority", prefill_priority=["probe_oom", "torch"], decode_priority=["torch"])
@@ -213,6 +243,7 @@ def test_health_probe_out_of_memory_after_a_candidate_is_retried_not_cached(tmp_
     assert again.stats["spawns"] == 0 and again.prefill == "probe_oom" and again.candidates["prefill"][0].from_cache
 
 
+@pytest.mark.slow
 def test_health_probe_out_of_memory_twice_is_not_cached(tmp_path, monkeypatch):
     """Out of memory in the probe in two workers: the candidate is rejected for this selection only (transient);
     the next selection validates it again."""
@@ -231,7 +262,7 @@ def test_health_probe_out_of_memory_twice_is_not_cached(tmp_path, monkeypatch):
 def test_a_worker_killed_from_outside_is_reported_not_cached(monkeypatch):
     """Review finding: SIGKILL (the kernel's OOM killer) or SIGTERM says nothing about the backend: the candidate is
     rejected for this start, with the signal in its reason, and tried again at the next start."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM_KILLED")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM_KILLED")
     sel = select(SPEC, policy="priority", prefill_priority=["oom_killed", "torch"], decode_priority=["torch"])
     cand = sel.candidates["prefill"][0]
     assert cand.status == "rejected" and "SIGKILL" in cand.reason
@@ -241,8 +272,9 @@ def test_a_worker_killed_from_outside_is_reported_not_cached(monkeypatch):
                                                  decode_priority=["torch"]).candidates["prefill"][:1])
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_out_of_memory_while_timing_is_retried_and_not_cached(monkeypatch, caplog):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:OOM_TIMING")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM_TIMING")
     with caplog.at_level(logging.WARNING, logger="attnsel"):
         sel = select(SPEC, policy="measure", prefill_priority=["oom_timing", "torch"], decode_priority=["torch"])
     assert "@timing prefill: out of memory" in caplog.text and "retrying once in a fresh worker" in caplog.text
@@ -254,7 +286,7 @@ def test_out_of_memory_while_timing_is_retried_and_not_cached(monkeypatch, caplo
 def test_worker_that_cannot_exit_is_killed_after_done(monkeypatch):
     """A library leaves a non-daemon thread: the worker cannot exit. Once "done" arrives it is killed, far below
     the validation timeout."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:NO_EXIT")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:NO_EXIT")
     t0 = time.monotonic()
     sel = select(SPEC, policy="priority", prefill_priority=["noexit", "torch"], decode_priority=["torch"],
                  timeout=60.0)
@@ -266,10 +298,11 @@ def test_worker_that_cannot_exit_is_killed_after_done(monkeypatch):
     assert workers == []
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_worker_path_reports_input_mutation(monkeypatch):
     """A candidate that writes into its inputs after computing its output is rejected (cases.run_case's input
     check, helper "correctness"), and the next candidate gets the case intact."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:MUTATE")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:MUTATE")
     sel = select(SPEC, policy="priority", prefill_priority=["mutate", "torch"], decode_priority=["mutate", "torch"])
     for phase in ("prefill", "decode"):
         cand = {c.name: c for c in sel.candidates[phase]}
@@ -297,13 +330,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_interrupted_parent_leaves_no_worker_and_no_log(tmp_path, sig):
     """Ctrl-C (SIGINT) or SIGTERM to the selecting process while a candidate runs: the worker is killed (and, for
     SIGINT, reaped by the parent) and no attnsel-worker-*.log is left in the temp directory."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp), ATTNSEL_BACKENDS="tests.fault_backends:ALL")
+    env = dict(os.environ, TMPDIR=str(tmp), ATTNSEL_BACKENDS="tests.fixtures.fault_backends:ALL")
     proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED], env=env, stderr=subprocess.PIPE, text=True)
     worker = None
     try:
@@ -337,7 +370,7 @@ def test_gpu_real_cuda_fault_blames_only_its_candidate(monkeypatch):
     worker and are valid; the faulty one is rejected; the cache holds torch as valid."""
     import torch
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:CUDA_FAULT")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:CUDA_FAULT")
     spec = AttentionSpec(8, 2, 128, "bf16", 16)
     sel = select(spec, policy="priority", prefill_priority=["cuda_fault", "torch"],
                  decode_priority=["cuda_fault", "torch"], device=f"cuda:{torch.cuda.current_device()}")

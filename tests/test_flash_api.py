@@ -16,6 +16,9 @@ from attnsel import flash_api
 from attnsel.flash_api import UnsupportedArgument
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# The selections these calls make validate in a worker thread (tests/fixtures/inproc_worker.py): the calls are
+# under test here, not the worker process.
+pytestmark = pytest.mark.usefixtures("inproc_worker")
 
 
 @pytest.fixture(autouse=True)
@@ -307,9 +310,9 @@ def test_kvcache_dispatches_on_the_real_context_not_the_page_tables_width(monkey
     batch's mean context from that read. Before, it took the page table's capacity, so an engine that sizes its
     table for the longest context had every step looked up at the largest timed context (review, 2026-12-05)."""
     from attnsel.selection import PhaseChoice, Selection, build_table
-    from tests.test_dispatch import Recorder, measured
+    from tests.fixtures.dispatch import Recorder, measured
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:RECORDERS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.dispatch:RECORDERS")
     spec = attnsel.AttentionSpec(4, 2, 64, "fp32", page_size=16)
     cells = {(1, 256): {"rec_a": 1.0, "rec_b": 2.0}, (1, 4096): {"rec_a": 9.0, "rec_b": 2.0},
              (32, 256): {"rec_a": 1.0, "rec_b": 2.0}, (32, 4096): {"rec_a": 9.0, "rec_b": 2.0}}
@@ -708,9 +711,9 @@ def test_tensors_on_another_device_or_with_strided_last_dims_are_named(monkeypat
 def test_kvcache_passes_q_as_it_comes_to_a_backend_that_takes_its_layout(monkeypatch):
     """A decode backend with decode_takes_b1hd gets the caller's very q [B, 1, H, D] (no views); one without gets
     q as [B, H, D]; the output is [B, 1, H, D] either way and matches the reference."""
-    from tests.test_dispatch import B1hdPlugin
+    from tests.fixtures.dispatch import B1hdPlugin
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:B1HD_PLUGINS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.dispatch:B1HD_PLUGINS")
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     lens, hq, hk, d, ps = [1, 5, 16, 21], 4, 2, 16, 4
     kc, vc, table, ks, vs = paged(lens, hk, d, ps, torch.float32, seed=3, garbage=float("nan"))

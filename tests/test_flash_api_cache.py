@@ -13,6 +13,9 @@ from attnsel.flash_api import UnsupportedArgument
 from tests.test_flash_api import DEV, paged, ragged, reference
 
 BACKENDS = [("torch", torch.float32, 1e-5), ("triton", torch.float16, 2e-3)]
+# The selections these calls make validate in a worker thread (tests/fixtures/inproc_worker.py): the calls are
+# under test here, not the worker process.
+pytestmark = pytest.mark.usefixtures("inproc_worker")
 
 
 @pytest.fixture(autouse=True)

@@ -127,7 +127,7 @@ DECODE_LENS = [0, 1, 17, 1531, 45, 300, 0]  # zero-length rows: CUDA-graph paddi
 
 @pytest.fixture(scope="module")
 def feature_cases():
-    from tests.feature_cases import decode_case, prefill_case
+    from tests.fixtures.feature_cases import decode_case, prefill_case
 
     store = {}
 
@@ -177,7 +177,7 @@ B1HD = [n for n in BUILTINS if getattr(get(n), "decode_takes_b1hd", False)]
 def test_decode_in_flash_layout_matches_bhd(name, key):
     """A backend with decode_takes_b1hd (FA3, Triton) takes q [B, 1, H, D] with no view: out [B, 1, H, D] equal
     to the [B, H, D] call's, within tolerance of the float32 reference, zero-length rows zeros."""
-    from tests.feature_cases import decode_case
+    from tests.fixtures.feature_cases import decode_case
 
     spec = SPECS["gqa4-d128-bf16"] if key == "plain" else FEATURE_SPECS[key]
     backend = get(name)
@@ -202,7 +202,7 @@ def test_decode_in_flash_layout_matches_bhd(name, key):
 @pytest.mark.parametrize("name", [n for n in BUILTINS if n != "torch"])
 def test_decode_contract_zero_length_and_sentinels(name):
     """Plain spec: zero-length rows, NaN in unused slots and pages, -1 and num_pages sentinels in the page table."""
-    from tests.feature_cases import decode_case
+    from tests.fixtures.feature_cases import decode_case
 
     spec = SPECS["gqa4-d128-bf16"]
     backend = get(name)
@@ -223,7 +223,7 @@ def test_decode_contract_zero_length_and_sentinels(name):
 def test_triton_prefill_past_2_31_elements():
     """Issue 9 item 2: 66 prefix-cached chunks (16 queries after 8192 keys) x 32 KV heads x 128: 2.2e9 elements
     per K/V tensor. The last chunks lie past 2^31 elements: int32 offsets faulted there."""
-    from tests.feature_cases import reference
+    from tests.fixtures.feature_cases import reference
 
     spec = AttentionSpec(32, 32, 128, "bf16", 16)
     chunks, lq, lk = 66, 16, 8192
@@ -253,7 +253,7 @@ def test_decode_plan_reused_many_times_eager_and_graph(name, shape):
     """One plan run many times (every layer of a step, the timed samples), eagerly and as CUDA-graph replays over
     several input sets, with a table exactly as wide as needed or much wider (an engine's table): every output right.
     (On the H200 the bench saw wrong FA3 graph outputs and device faults: the timing freed plans while their graphs
-    were replayed, see test_dispatch.py::test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph.)"""
+    were replayed, see test_timing.py::test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph.)"""
     from attnsel.validate import grid as bucket_grid
     from attnsel.validate import timing
 
@@ -300,7 +300,7 @@ def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
     round), while a partial of the previous query is off by the outputs' own size (~1e-2). Then 50 CUDA-graph replays (a new query copied into the captured one, the graph's
     output NaN before each replay): a captured run takes the reduce kernel, bitwise equal."""
     import attnsel.backends.triton as tb
-    from tests.feature_cases import reference
+    from tests.fixtures.feature_cases import reference
 
     spec = SPECS["gqa4-d128-bf16"]
     torch.manual_seed(0)

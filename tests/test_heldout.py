@@ -15,7 +15,7 @@ from attnsel.selection import PhaseChoice, Selection, build_table
 from attnsel.spec import AttentionSpec
 from attnsel.validate import timing
 from tests.test_cli import run
-from tests.test_dispatch import measured
+from tests.fixtures.dispatch import measured
 
 SPECS = [AttentionSpec(32, 8, 128), AttentionSpec(28, 4, 128), AttentionSpec(8, 1, 128)]
 CUDA = torch.device("cuda")  # the GPU grids; no device is touched

@@ -14,6 +14,9 @@ from transformers.generation.continuous_batching.cache import (  # noqa: E402
 
 from attnsel.integrations import hf  # noqa: E402
 
+# The selections the models make validate in a worker thread (tests/fixtures/inproc_worker.py).
+pytestmark = pytest.mark.usefixtures("inproc_worker")
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [12, 13], [20, 21, 22, 23, 24]]
 NEW_TOKENS = 32
 

@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from attnsel import flash_api  # noqa: E402
 from attnsel.integrations import hf, hf_kernels  # noqa: E402
-from tests.cb_config import small_cache  # noqa: E402
+from tests.fixtures.cb_config import small_cache  # noqa: E402
 
 MINOR = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 pytestmark = pytest.mark.skipif(MINOR < (5, 18), reason="transformers 5.17 serves continuous batching through "

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from attnsel import flash_api  # noqa: E402
 from attnsel.integrations import hf, hf_kernels  # noqa: E402
-from tests.cb_config import small_cache  # noqa: E402
+from tests.fixtures.cb_config import small_cache  # noqa: E402
 
 pytestmark = pytest.mark.skipif(hf_kernels.kernel_unsupported() is not None,
                                 reason=f"{hf_kernels.kernel_unsupported()} (.ci/run tests the newest transformers)")

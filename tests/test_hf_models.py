@@ -14,6 +14,9 @@ from transformers.generation.continuous_batching.cache import PagedAttentionMemo
 from attnsel import SelectionError  # noqa: E402
 from attnsel.integrations import hf  # noqa: E402
 
+# The selections the models make validate in a worker thread (tests/fixtures/inproc_worker.py).
+pytestmark = pytest.mark.usefixtures("inproc_worker")
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [12, 13], [20, 21, 22, 23, 24]]
 COMMON = dict(vocab_size=128, num_hidden_layers=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
               eos_token_id=None, initializer_range=0.2)

@@ -17,12 +17,13 @@ from rich.console import Console
 
 import attnsel.backends as backends_mod
 from attnsel import bench
+from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.cache import entry_problem
 from attnsel.render import dispatch_table
 from attnsel.selection import DispatchTable, PhaseChoice, build_table
 from attnsel.validate import grid as bucket_grid
 from attnsel.validate import host_probe, timing
-from tests.test_dispatch import SPEC, TORCH, _selection
+from tests.fixtures.dispatch import SPEC, _selection
 
 RAGGED = [100, 400, 1500, 2000]  # a ragged decode bucket's context lengths (its own sub-table)
 GRID = [(0, (1, 256)), (0, (4, 256)), (0, (16, 256)), (0, RAGGED), (2, (6, 256))]
@@ -164,7 +165,7 @@ def test_the_plan_allowance_is_capped_by_the_task_timeout_not_the_budget(monkeyp
     assert timing.plan_allowance(22.5, 300.0) == timing.PLAN_ALLOWANCE_S == 30.0
     assert timing.plan_allowance(5.0, 10.0) == pytest.approx(8.0)  # a 20 s timeout: the phase ends by 18 s
     assert timing.plan_allowance(None, 300.0) == 0.0  # no budget: nothing to leave out of it
-    # graph mode gets it too since grid version 8 (tests/test_dispatch.py::test_first_use_compiles_do_not_eat_...)
+    # graph mode gets it too since grid version 8 (tests/test_timing.py::test_first_use_compiles_do_not_eat_...)
     from attnsel.validate import worker
 
     seen = {}

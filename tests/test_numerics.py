@@ -32,15 +32,27 @@ def test_torch_backend(shape, dtype, phase):
 
 # bf16 runs in the interpreter with the dot operands up-cast to float32 (Triton's interpreter computes bf16 dots
 # wrongly, docs/ARCHITECTURE.md and the project notes); compiled bf16 dots are covered by tests/test_gpu.py on the device.
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv_d{s[2]}")
+# By default the smallest specs that still reach each path: one query head per KV head (4q4kv, fp16), an odd GQA
+# group (7q1kv, bf16) and a padded head_dim (4q2kv_d96, bf16), each in both phases; the slow stage runs the grid.
+TRITON_FAST = {((4, 4, 64), "fp16"), ((7, 1, 64), "bf16"), ((4, 2, 96), "bf16")}
+
+
+def _triton_grid():
+    for phase in ("prefill", "decode"):
+        for dtype in ("fp16", "bf16"):
+            for shape in SHAPES:
+                marks = () if (shape, dtype) in TRITON_FAST else pytest.mark.slow
+                name = f"{shape[0]}q{shape[1]}kv_d{shape[2]}-{dtype}-{phase}"
+                yield pytest.param(shape, dtype, phase, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("shape,dtype,phase", list(_triton_grid()))
 def test_triton_backend_interpreted(shape, dtype, phase):
     result = _check("triton", AttentionSpec(*shape, dtype=dtype, page_size=16), phase)
     assert result["max_abs_err"] <= result["tolerance"]
 
 
-@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("page_size", [1, 5, pytest.param(16, marks=pytest.mark.slow)])  # 16: every other test's
 def test_triton_decode_page_sizes(page_size):
     _check("triton", AttentionSpec(8, 2, 64, dtype="fp16", page_size=page_size), "decode")
 

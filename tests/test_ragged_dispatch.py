@@ -15,7 +15,7 @@ from attnsel.selection import DispatchTable, PhaseChoice, build_table
 from attnsel.spec import AttentionSpec
 from attnsel.validate import grid as bucket_grid
 from attnsel.validate import timing
-from tests.test_dispatch import PRE, SPEC, Recorder, _selection, fake_worker, measured
+from tests.fixtures.dispatch import PRE, SPEC, Recorder, _selection, fake_worker, measured
 
 UNIFORM = {(1, 256): {"a": 10.0, "b": 20.0}, (1, 4096): {"a": 10.0, "b": 20.0},
            (32, 256): {"a": 10.0, "b": 20.0}, (32, 4096): {"a": 10.0, "b": 20.0}}
@@ -74,7 +74,7 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
     monkeypatch.setattr(timing, "device_sms", lambda device: 132)  # measure adds the device's wave batches
     monkeypatch.setattr(backends_mod, "get", lambda name: name)
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
-    waves = {17, 34, 49, 50}  # 32/8 on 132 SMs (tests/test_dispatch.py::test_wave_batches_bracket_...)
+    waves = {17, 34, 49, 50}  # 32/8 on 132 SMs (tests/test_timing.py::test_wave_batches_bracket_...)
     out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "eager")
     # a grid built without the SM count would drop them unnoticed (the review's surviving mutation, grid version 8)
     assert {s[0] for s in seen if isinstance(s, tuple)} == set(bucket_grid.DECODE_BATCHES) | waves
@@ -166,7 +166,7 @@ def test_a_cached_ragged_flag_that_is_not_a_bool_is_refused():
 
 
 def test_plan_decode_routes_a_ragged_batch_from_host_sizes(monkeypatch):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:RECORDERS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.dispatch:RECORDERS")
     data = with_ragged(uniform={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in UNIFORM.items()},
                        ragged={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in RAGGED.items()})
     sel = _selection({"decode": PhaseChoice("rec_a", "auto", [], build_table(data, ["rec_a", "rec_b"]))})
@@ -283,7 +283,7 @@ def test_pruning_reads_the_uniform_coarse_grid_only(monkeypatch):
 def test_a_wrong_longest_is_named_when_metadata_is_checked(monkeypatch):
     """Newcomer finding: `longest` below the real longest row (or above it) picked a table silently even with
     ATTNSEL_CHECK_METADATA=1; the check now holds it against seq_lens."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_dispatch:RECORDERS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.dispatch:RECORDERS")
     monkeypatch.setenv("ATTNSEL_CHECK_METADATA", "1")
     data = with_ragged(uniform={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in UNIFORM.items()},
                        ragged={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in RAGGED.items()})

@@ -76,6 +76,20 @@ def test_the_fresh_machine_commands_come_first_and_ci_runs_the_test_command():
     assert test_command in ci, f".ci/run does not run the README's test command:\n{test_command}"
 
 
+def test_ci_runs_the_slow_tests_the_readme_command_leaves_out():
+    """The README's command runs pytest's default selection, which pyproject.toml makes `-m "not slow"`; the CI stage
+    right after it runs exactly the slow ones (set -e: no test collected, exit 5, fails it like a failure)."""
+    import tomllib
+
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert options["addopts"] == ["-m", "not slow"]
+    assert any(m.startswith("slow:") for m in options["markers"])
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "set -euo pipefail" in ci
+    readme_stage = next(i for i, line in enumerate(ci) if line.endswith(".venv/bin/python -m pytest -q"))
+    assert ci[readme_stage + 1] == ".venv/bin/python -m pytest -q -m slow"
+
+
 @pytest.mark.parametrize("argv", attnsel_commands(), ids=" ".join)
 def test_readme_attnsel_command_parses(argv):
     try:

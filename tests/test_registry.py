@@ -18,8 +18,9 @@ def test_unknown_name_lists_valid_ones():
         backends.get("nope")
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_env_plugin_is_validated_like_a_builtin(monkeypatch):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:WRONG_PREFILL")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:WRONG_PREFILL")
     assert "wrong_prefill" in backends.names()
     sel = select(AttentionSpec(4, 2, 64, "fp16"), policy="priority")
     cand = {c.name: c for c in sel.candidates["prefill"]}["wrong_prefill"]
@@ -29,22 +30,23 @@ def test_env_plugin_is_validated_like_a_builtin(monkeypatch):
 
 
 def test_broken_plugin_is_reported_not_hidden(monkeypatch, caplog):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.broken_plugin:BACKEND,tests.fault_backends:PREFILL")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.broken_plugin:BACKEND,tests.fixtures.fault_backends:PREFILL")
     names = backends.names()
-    assert "tests.broken_plugin:BACKEND" in names
-    reason = backends.get("tests.broken_plugin:BACKEND").unsupported(AttentionSpec(4, 2, 64), "prefill")
-    assert reason.startswith("plugin tests.broken_plugin:BACKEND failed to load: ModuleNotFoundError")
+    assert "tests.fixtures.broken_plugin:BACKEND" in names
+    reason = backends.get("tests.fixtures.broken_plugin:BACKEND").unsupported(AttentionSpec(4, 2, 64), "prefill")
+    assert reason.startswith("plugin tests.fixtures.broken_plugin:BACKEND failed to load: ModuleNotFoundError")
     # an object that is not a backend (a dict) is refused with the missing methods named
-    assert "backend protocol" in backends.get("tests.fault_backends:PREFILL").unsupported(AttentionSpec(4, 2, 64),
-                                                                                        "prefill")
+    not_a_backend = backends.get("tests.fixtures.fault_backends:PREFILL")
+    assert "backend protocol" in not_a_backend.unsupported(AttentionSpec(4, 2, 64), "prefill")
 
 
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_entry_point_plugin(tmp_path, monkeypatch):
     """A plugin installed as a distribution with an `attnsel.backends` entry point is found and validated."""
     dist = tmp_path / "attnsel_test_plugin-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: attnsel-test-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[attnsel.backends]\nwrong = tests.fault_backends:WRONG_PREFILL\n")
+    (dist / "entry_points.txt").write_text("[attnsel.backends]\nwrong = tests.fixtures.fault_backends:WRONG_PREFILL\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ['PYTHONPATH']}")
     backends._registry.cache_clear()
@@ -77,7 +79,7 @@ def test_flashinfer_stale_run_function_raises():
 # ---- plugin code called in the parent never aborts a selection (issue 9 item 10) ----------------------------------
 
 def test_availability_turns_plugin_errors_into_reasons():
-    from tests.fault_backends import BAD_NOTE, BAD_VERSION
+    from tests.fixtures.fault_backends import BAD_NOTE, BAD_VERSION
 
     spec = AttentionSpec(4, 2, 64, "fp16")
     reason, identity = backends.availability(BAD_VERSION, spec, "prefill", torch.device("cpu"))
@@ -112,8 +114,8 @@ def test_an_availability_check_that_never_returns_costs_the_backend_not_the_sele
             "prefill_priority=['hanging_check', 'torch'], decode_priority=['torch'])\n"
             "c = {c.name: c for c in sel.candidates['prefill']}['hanging_check']\n"
             "print(sel.prefill, c.status, c.reason)\n")
-    env = {**os.environ, "ATTNSEL_BACKENDS": "tests.fault_backends:HANGING_CHECK", "ATTNSEL_CHECK_TIMEOUT_S": "1",
-           "ATTNSEL_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "ATTNSEL_BACKENDS": "tests.fixtures.fault_backends:HANGING_CHECK",
+           "ATTNSEL_CHECK_TIMEOUT_S": "1", "ATTNSEL_CACHE_DIR": str(tmp_path)}
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -127,7 +129,8 @@ def test_an_availability_check_that_never_returns_costs_the_backend_not_the_sele
 def test_raising_version_and_note_do_not_abort_the_selection(monkeypatch, caplog):
     import logging
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:BAD_VERSION,tests.fault_backends:BAD_NOTE")
+    monkeypatch.setenv("ATTNSEL_BACKENDS",
+                       "tests.fixtures.fault_backends:BAD_VERSION,tests.fixtures.fault_backends:BAD_NOTE")
     spec = AttentionSpec(4, 2, 64, "fp16")
     with caplog.at_level(logging.INFO, logger="attnsel"):
         sel = select(spec, policy="priority", prefill_priority=["bad_version", "bad_note", "torch"],
@@ -142,7 +145,7 @@ def test_raising_version_and_note_do_not_abort_the_selection(monkeypatch, caplog
 def test_first_use_note_comes_from_the_backend(monkeypatch):
     """The progress line's note is the backend's own first_use_note (no backend knowledge in the runner)."""
     from attnsel.validate import runner
-    from tests.fault_backends import Wrapped
+    from tests.fixtures.fault_backends import Wrapped
 
     noted = Wrapped("noted", first_use_note="first use JIT-compiles kernels (test)")
     monkeypatch.setattr(backends, "get", lambda name: noted)
@@ -153,7 +156,7 @@ def test_first_use_note_comes_from_the_backend(monkeypatch):
 # ---- the device a selection is for reaches the availability check (issue 9 item 11) -------------------------------
 
 def test_unsupported_gets_the_device_keyword_when_it_takes_it():
-    from tests.fault_backends import DEVICE_AWARE, OOM
+    from tests.fixtures.fault_backends import DEVICE_AWARE, OOM
 
     spec = AttentionSpec(4, 2, 64, "fp16")
     DEVICE_AWARE.seen.clear()
@@ -163,9 +166,9 @@ def test_unsupported_gets_the_device_keyword_when_it_takes_it():
 
 
 def test_selection_checks_the_device_it_selects_for(monkeypatch):
-    from tests.fault_backends import DEVICE_AWARE
+    from tests.fixtures.fault_backends import DEVICE_AWARE
 
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_backends:DEVICE_AWARE")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:DEVICE_AWARE")
     DEVICE_AWARE.seen.clear()
     backends._registry.cache_clear()
     sel = select(AttentionSpec(4, 2, 64, "fp16"), policy="priority", prefill_priority=["device_aware"],

@@ -11,6 +11,8 @@ from attnsel.validate import timing
 SMALL = ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "fp16"]
 STACK = "\n".join(["Fatal Python error: Segmentation fault", "Current thread 0x7f (most recent call first):"]
                   + [f'  File "/site-packages/kernels/mod{i}.py", line {i} in launch_{i}' for i in range(38)])
+# The reports validate in a worker thread (tests/fixtures/inproc_worker.py): what is printed is under test here.
+pytestmark = pytest.mark.usefixtures("inproc_worker")
 
 
 class Unavailable:
@@ -106,7 +108,7 @@ DEC = {(1, 32): {"torch": 10.0, "triton": 20.0}, (4, 32): {"torch": 90.0, "trito
 @pytest.fixture
 def injected(monkeypatch):
     """The worker replaced by fixed results: every candidate valid, the timings above."""
-    from tests.test_dispatch import fake_worker, measured
+    from tests.fixtures.dispatch import fake_worker, measured
 
     fake_worker(monkeypatch, {"prefill": measured("prefill", "eager", PRE),
                               "decode": measured("decode", "eager", DEC)}, [])
@@ -177,7 +179,7 @@ def test_dispatch_table_with_long_names_fits_80_columns():
 
     from attnsel.render import dispatch_table
     from attnsel.selection import PhaseChoice, build_table
-    from tests.test_dispatch import _selection, measured
+    from tests.fixtures.dispatch import _selection, measured
 
     cells = {(16, 3008, 2048): {"flashinfer_cuda_cores": 100.0, "flashinfer": 120.0},
              (1, 64, 64): {"flashinfer_cuda_cores": 10.0, "flashinfer": 9.0}}

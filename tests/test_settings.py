@@ -19,8 +19,9 @@ SPEC = AttentionSpec(4, 2, 64, "fp32")
 CASES = {
     "prefill_backend": ("torch", "torch", None),
     "decode_backend": ("triton", "triton", None),
-    "backends": ("tests.fault_backends:ALL, tests.fault_numerics:SLOPPY",
-                 ("tests.fault_backends:ALL", "tests.fault_numerics:SLOPPY"), "tests.fault_backends"),
+    "backends": ("tests.fixtures.fault_backends:ALL, tests.fixtures.fault_numerics:SLOPPY",
+                 ("tests.fixtures.fault_backends:ALL", "tests.fixtures.fault_numerics:SLOPPY"),
+                 "tests.fixtures.fault_backends"),
     "cache_dir": ("/tmp/attnsel-cache", "/tmp/attnsel-cache", None),
     "validation_timeout_s": ("90", 90.0, "soon"),
     "check_timeout_s": ("inf", float("inf"), "0"),

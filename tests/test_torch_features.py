@@ -270,7 +270,7 @@ def test_torch_decode_speed_vs_the_old_decode(batch, ctx, window, capsys):
 
     from attnsel.validate.grid import make_decode_workload
     from attnsel.validate.timing import bench
-    from tests.fault_numerics import old_torch_plan_decode
+    from tests.fixtures.fault_numerics import old_torch_plan_decode
 
     device = torch.device("cuda")
     spec = AttentionSpec(32, 8, 128, "bf16", page_size=16, sliding_window=window)

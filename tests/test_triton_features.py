@@ -2,7 +2,8 @@
 
 Also the decode contract: zero-length rows give zeros, and nothing past a sequence's length is read (NaN in unused
 slots and pages, -1 / num_pages sentinels in unused page-table columns), on the single- and split-KV paths.
-The reference (tests/feature_cases.py) is written from the AttentionSpec docstring, independently of the kernels.
+The reference (tests/fixtures/feature_cases.py) is written from the AttentionSpec docstring, independently of the
+kernels.
 """
 
 import pytest
@@ -11,10 +12,19 @@ import torch
 import attnsel.backends.triton as tb
 from attnsel.backends import get
 from attnsel.spec import AttentionSpec
-from tests.feature_cases import decode_case, prefill_case, reference
+from tests.fixtures.feature_cases import decode_case, prefill_case, reference
 
 TOL = {"fp16": 2e-3, "bf16": 1.6e-2}  # validate.cases.TOL_FLOOR: output rounding to the dtype (|out| <= 1)
 CPU = torch.device("cpu")
+SLOW = pytest.mark.slow
+SPLITS = {1: "single", 3: "split"}
+
+
+def grid(first, fast, *, first_id=str):
+    """(first value, splits) for every first value and 1 or 3 splits, the pairs in ``fast`` in the default run and
+    the rest in the slow stage; ids as two stacked parametrizations gave them ("w40-split")."""
+    return [pytest.param(v, n, id=f"{first_id(v)}-{name}", marks=() if (v, n) in fast else SLOW)
+            for n, name in SPLITS.items() for v in first]
 
 
 def _spec(dtype="fp16", **kw):
@@ -31,7 +41,8 @@ def _prefill(spec, *, q_mul=1.0):
     return case.run(get("triton"), spec), case.ref, case
 
 
-@pytest.mark.parametrize("window", [1, 5, 32, 40, 1000], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("window", [1, pytest.param(5, marks=SLOW), pytest.param(32, marks=SLOW), 40,
+                                    pytest.param(1000, marks=SLOW)], ids=lambda w: f"w{w}")
 def test_prefill_sliding_window(window):
     """Windows of 1 token, inside a tile, exactly one interpreter tile (32), across tiles, longer than every
     sequence; the reference with window+1 differs, so an off-by-one at the boundary fails."""
@@ -59,7 +70,7 @@ def test_prefill_sinks():
     assert out[:, 0].float().abs().max().item() < 1e-3  # the large sink (head 0) takes nearly all the weight
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param("fp16", marks=SLOW), "bf16"])
 def test_prefill_all_features_together(dtype):
     spec = _spec(dtype, sliding_window=20, softcap=8.0, sinks=True)
     out, ref, _ = _prefill(spec, q_mul=2.0)
@@ -100,16 +111,14 @@ def _assert_close(out, ref, dtype="fp16"):
     assert (out.float() - ref).abs().max().item() <= TOL[dtype] * max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
-@pytest.mark.parametrize("sentinel", ["nan_page", -1, "num_pages"])
+@pytest.mark.parametrize("sentinel,splits", grid(["nan_page", -1, "num_pages"], {("num_pages", 1), (-1, 3)}))
 def test_decode_zero_length_rows_and_garbage_are_harmless(splits, sentinel, monkeypatch):
     out, ref = _decode(_spec(page_size=16), splits, monkeypatch, sentinel=sentinel)
     _assert_close(out, ref)
     assert out[0].abs().max().item() == 0 and out[4].abs().max().item() == 0  # zero-length rows are zeros
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
-@pytest.mark.parametrize("window", [1, 16, 40, 500], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("window,splits", grid([1, 16, 40, 500], {(1, 1), (40, 3)}, first_id=lambda w: f"w{w}"))
 def test_decode_sliding_window(window, splits, monkeypatch):
     out, ref = _decode(_spec(page_size=16, sliding_window=window), splits, monkeypatch)
     _assert_close(out, ref)
@@ -195,7 +204,7 @@ def test_decode_window_reads_only_the_window(monkeypatch):
     _assert_close(case.run(get("triton"), spec), case.ref)
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+@pytest.mark.parametrize("splits", [pytest.param(1, marks=SLOW), 3], ids=["single", "split"])
 def test_decode_softcap(splits, monkeypatch):
     spec = _spec(page_size=16, softcap=2.0)  # unit-variance q.k / 8: some scores beyond the cap
     out, ref = _decode(spec, splits, monkeypatch)
@@ -209,14 +218,13 @@ def test_decode_sinks(splits, monkeypatch):
     assert out[0].abs().max().item() == 0  # zero-length row with sinks: still zeros
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype,splits", grid(["fp16", "bf16"], {("fp16", 1), ("bf16", 3)}))
 def test_decode_fp8_cache_with_scales(dtype, splits, monkeypatch):
     out, ref = _decode(_spec(dtype, page_size=16, kv_dtype="fp8_e4m3"), splits, monkeypatch)
     _assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=["single", "split"])
+@pytest.mark.parametrize("splits", [pytest.param(1, marks=SLOW), 3], ids=["single", "split"])
 def test_decode_all_features_page_5(splits, monkeypatch):
     spec = _spec(page_size=5, sliding_window=23, softcap=3.0, sinks=True, kv_dtype="fp8_e4m3")
     out, ref = _decode(spec, splits, monkeypatch, sentinel=-1)
@@ -237,7 +245,14 @@ def test_unsupported_names_window_without_causal():
                                      "decode") is None
 
 
-def test_kernels_compile_for_hopper_without_a_gpu():
+# By default the variants with every feature on (where the interpreter lets most through); the slow stage compiles
+# every variant and reads the PTX (fp8 operands in words, the merge's ordering, no spills).
+ALL_FEATURES = ["prefill all", "decode nosplit all fp8", "decode split all fp8", "reduce sinks"]
+
+
+@pytest.mark.parametrize("checks", [pytest.param(ALL_FEATURES, id="all-features"),
+                                    pytest.param([], id="every-variant", marks=pytest.mark.slow)])
+def test_kernels_compile_for_hopper_without_a_gpu(checks):
     """Every feature combination compiles to sm_90 code (the interpreter does not type-check like the compiler)."""
     import os
     import subprocess
@@ -251,10 +266,10 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         pytest.skip(f"Triton's bundled ptxas is missing ({ptxas})")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(Path(os.environ["ATTNSEL_CACHE_DIR"]) / "triton")
-    proc = subprocess.run([sys.executable, "-m", "tests.triton_compile_check"], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-m", "tests.fixtures.triton_compile_check", *checks], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("OK ") == 15
+    assert proc.stdout.count("OK ") == (len(checks) or 15)
 
 
 def test_version_changes_with_the_kernel_sources(tmp_path, monkeypatch):
@@ -453,7 +468,7 @@ def test_decode_merge_survives_arrival_counts_left_by_overlapping_runs(monkeypat
 
 def test_decode_merge_tile_past_the_limit_takes_the_reduce_kernel(monkeypatch):
     """head_dim 256 with 64 splits: the in-kernel merge's [64, 256] float32 tile makes the decode kernel spill
-    (tests/triton_compile_check.py), so such a plan merges in the reduce kernel (no arrival counts); 32 splits
+    (tests/fixtures/triton_compile_check.py), so such a plan merges in the reduce kernel (no arrival counts); 32 splits
     merge in the kernel."""
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
     real_zeros, counts = torch.zeros, []
@@ -467,7 +482,7 @@ def test_decode_merge_tile_past_the_limit_takes_the_reduce_kernel(monkeypatch):
         assert (torch.int32 in counts) is merges, splits
 
 
-@pytest.mark.parametrize("window", [None, 40], ids=["full", "w40"])
+@pytest.mark.parametrize("window", [pytest.param(None, marks=SLOW), 40], ids=["full", "w40"])
 def test_decode_plan_during_graph_capture_reads_nothing_on_the_host(window, monkeypatch):
     """A decode plan made during CUDA-graph capture (attnsel.flash_attn_with_kvcache plans there) may not read
     seq_lens on the host (a sync is an error during capture: the H200 run of 2026-12-04 failed on it): it plans

@@ -3,7 +3,8 @@ low-precision computation of that row. A backend wrong by less than a plain bf16
 or wrong on one long row among short ones, is rejected; right backends pass on every case the features create.
 
 Real backends in-process (the torch backend; Triton interpreted on a small spec) and fault backends that wrap torch
-(tests/fault_numerics.py, YARDSTICK_FAULTS), on cases built by the real case builders (attnsel.validate.cases)."""
+(tests/fixtures/fault_numerics.py, YARDSTICK_FAULTS), on cases built by the real case builders
+(attnsel.validate.cases)."""
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
 from attnsel.validate import cases, spot
-from tests import fault_numerics as faults
+from tests.fixtures import fault_numerics as faults
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # only to ask the builders for the GPU case's lengths: every case is built on the CPU
@@ -98,7 +99,7 @@ def test_the_timing_spot_check_judges_each_sampled_row(phase):
 
 def test_an_explicitly_named_backend_goes_through_the_same_check(monkeypatch):
     """A backend named explicitly is validated by the worker like any candidate: the selection refuses it."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fault_numerics:YARDSTICK_FAULTS")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:YARDSTICK_FAULTS")
     spec = AttentionSpec(**GEMMA2_27B, dtype="bf16", page_size=16)
     with pytest.raises(SelectionError, match="'ignore_scale' was requested explicitly but is rejected: "
                                              "max abs error .* exceeds tolerance"):
@@ -107,7 +108,8 @@ def test_an_explicitly_named_backend_goes_through_the_same_check(monkeypatch):
 
 # --- right backends pass on every case the features create --------------------------------------------------------
 
-FEATURES = {  # what the case builders plant traps for, alone and as models combine them (tests/feature_cases.py)
+# what the case builders plant traps for, alone and as models combine them (tests/fixtures/feature_cases.py)
+FEATURES = {
     "plain": {},
     "window1": {"sliding_window": 1},
     "window5": {"sliding_window": 5},

@@ -158,6 +158,18 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[worker] %(levelname)s %(message)s")
     job = json.load(sys.stdin)
     _die_with_parent(job.get("parent_pid"))
+
+    def emit(**event) -> None:
+        proto.write(json.dumps(event) + "\n")
+
+    code = run(job, emit)
+    if code:
+        sys.exit(code)
+
+
+def run(job: dict, emit) -> int:
+    """The job's tasks in this process, each event handed to ``emit(**event)``; the exit code: START_FAILED when the
+    device cannot compute before any candidate ran, else 0. main() gives it the process and the protocol line."""
     spec = AttentionSpec.from_dict(job["spec"])
     device = torch.device(job["device"])
     if device.type == "cuda":
@@ -166,15 +178,11 @@ def main() -> None:
     broken = probe(device)
     if broken:
         log.error("the device cannot compute before any candidate ran: %s", broken)
-        sys.exit(START_FAILED)
+        return START_FAILED
     built: dict[str, object] = {}
     outcomes: dict[tuple[str, str], bool] = {}  # (backend, phase) -> usable, for the timing tasks
     stopped = None
     unspent_s = 0.0  # timing budget left by the phases timed so far (the next phase may use it)
-
-    def emit(**event) -> None:
-        proto.write(json.dumps(event) + "\n")
-
     emit(event="ready", pid=os.getpid())
     for task in job["tasks"]:
         name, phase = task["backend"], task["phase"]
@@ -217,6 +225,7 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     emit(event="done", peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peak_gpu_mem_mb=peak,
          stopped=stopped)
+    return 0
 
 
 if __name__ == "__main__":

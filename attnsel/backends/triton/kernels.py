@@ -245,7 +245,7 @@ def decode_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCAL
             k = k.to(tl.float16)
             # a no-op select (masked rows loaded as 0 already) keeps V's cast ahead of its change to the dot's
             # layout: otherwise Triton changes the layout of the 8-bit tile, reading it from shared memory one byte
-            # at a time (slower; tests/triton_compile_check.py fails on it)
+            # at a time (slower; tests/fixtures/triton_compile_check.py fails on it)
             v = tl.where(t_mask[:, None], v.to(tl.float16), 0.0)
         qk = _scores(tl.dot(q, tl.trans(k)), scale_in, SOFTCAP)
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
