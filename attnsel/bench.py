@@ -375,21 +375,26 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_bench(base: AttentionSpec | list[AttentionSpec] | None, names: list[str] | None, mode: str, out: str,
-              quick: bool, console: Console, repeats: int = 1) -> int:
-    """Bench ``base`` (a spec, a list of specs, or None: the default specs) over the grid with ``names`` (None:
-    every backend) in ``mode`` ("eager", "graph" or "both"), ``repeats`` passes, writing bench.md/json/png under
-    ``out``. Needs a CUDA device (RuntimeError)."""
+def setup(names: list[str] | None, mode: str, out: str) -> tuple[torch.device, list[str], list[str], Path, dict]:
+    """(CUDA device, backend names checked: None means every one, modes, output folder made, bandwidth probes) of a
+    bench run; RuntimeError without a CUDA device."""
     if not torch.cuda.is_available():
         raise RuntimeError("attnsel bench times kernels on a CUDA device; none was found")
     device = torch.device("cuda", torch.cuda.current_device())
     names = names or backends.names()
     for name in names:
         backends.get(name)
-    modes = ["eager", "graph"] if mode == "both" else [mode]
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    probe = probes(device)
+    return device, names, ["eager", "graph"] if mode == "both" else [mode], out_dir, probes(device)
+
+
+def run_bench(base: AttentionSpec | list[AttentionSpec] | None, names: list[str] | None, mode: str, out: str,
+              quick: bool, console: Console, repeats: int = 1) -> int:
+    """Bench ``base`` (a spec, a list of specs, or None: the default specs) over the grid with ``names`` (None:
+    every backend) in ``mode`` ("eager", "graph" or "both"), ``repeats`` passes, writing bench.md/json/png under
+    ``out``. Needs a CUDA device (RuntimeError)."""
+    device, names, modes, out_dir, probe = setup(names, mode, out)
     log.info("probes: copy %.2f TB/s, read %.2f TB/s", probe["copy_tbps"], probe["read_tbps"])
     cells, checks, rows, selections = [], {}, [], []
     t0 = time.perf_counter()

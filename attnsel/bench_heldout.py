@@ -13,13 +13,12 @@ import json
 import logging
 import shlex
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import backends, bench, bench_cells, bench_stats
+from . import bench, bench_cells, bench_stats
 from .device import fingerprint
 from .spec import AttentionSpec
 from .validate import timing
@@ -121,17 +120,8 @@ def run_heldout(specs: list[AttentionSpec], names: list[str] | None, mode: str, 
     """The held-out bench of ``specs`` in ``mode`` ("eager", "graph" or "both") with ``counts`` cells per phase
     ({"prefill": n, "decode": n}), drawn with ``seed``; ``command``: the CLI arguments, recorded. Needs a CUDA
     device (RuntimeError)."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("attnsel bench times kernels on a CUDA device; none was found")
-    device = torch.device("cuda", torch.cuda.current_device())
-    names = names or backends.names()
-    for name in names:
-        backends.get(name)
-    modes = ["eager", "graph"] if mode == "both" else [mode]
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    device, names, modes, out_dir, probe = bench.setup(names, mode, out)
     sms = timing.device_sms(device)
-    probe = timing.probes(device)
     started = datetime.datetime.now(datetime.timezone.utc)
     meta = {"seed": seed, "cells_per_phase": counts, "specs": [s.to_dict() for s in specs], "modes": modes,
             "command": "attnsel " + shlex.join(command or []), "device": fingerprint(str(device)),
