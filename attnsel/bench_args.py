@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from .errors import InvalidArgument
 from .selection import MODES
 from .spec import DTYPES, AttentionSpec, SpecError, short_dtype_name
 
@@ -39,7 +40,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def parse_seed(text: str) -> int:
     if not re.fullmatch(r"[0-9]+", text.strip()):
-        raise ValueError(f"--heldout takes the seed of the draw, a non-negative integer (e.g. --heldout 1); got "
+        raise InvalidArgument(f"--heldout takes the seed of the draw, a non-negative integer (e.g. --heldout 1); got "
                          f"{text!r}")
     return int(text)
 
@@ -50,7 +51,7 @@ def parse_cells(text: str, default: dict) -> dict:
         return dict(default)
     parts = [p.strip() for p in text.split(",")]
     if len(parts) not in (1, 2) or not all(re.fullmatch(r"[0-9]+", p) and 1 <= int(p) <= 1000 for p in parts):
-        raise ValueError(f"--cells takes N or PREFILL,DECODE, whole numbers of cells from 1 to 1000 (e.g. --cells 8 "
+        raise InvalidArgument(f"--cells takes N or PREFILL,DECODE, whole numbers of cells from 1 to 1000 (e.g. --cells 8 "
                          f"or --cells 8,16); got {text!r}")
     counts = [int(p) for p in parts]
     return {"prefill": counts[0], "decode": counts[-1]}
@@ -75,7 +76,7 @@ def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
             specs.append(AttentionSpec(int(fields[0]), int(fields[1]), head_dim, dtype,
                                        16 if page_size is None else page_size))
         except SpecError as exc:
-            raise ValueError(f"--specs item {item!r}: {exc}; each item is {SPEC_FORMAT}, e.g. 32/8 or 32/8/64/fp16"
+            raise InvalidArgument(f"--specs item {item!r}: {exc}; each item is {SPEC_FORMAT}, e.g. 32/8 or 32/8/64/fp16"
                              ) from None
     return specs
 
@@ -84,9 +85,9 @@ def check(args: argparse.Namespace, spec_flags: list[str]) -> None:
     """The combinations that make no sense: --cells without --heldout, --quick with it, --specs beside spec flags
     (``spec_flags``: those given, --page-size aside, which --specs uses)."""
     if args.cells is not None and args.heldout is None:
-        raise ValueError("--cells sets the held-out cells per phase: give --heldout SEED too")
+        raise InvalidArgument("--cells sets the held-out cells per phase: give --heldout SEED too")
     if args.quick and args.heldout is not None:
-        raise ValueError("--quick picks the fixed grid's smaller set; with --heldout set the cells with --cells")
+        raise InvalidArgument("--quick picks the fixed grid's smaller set; with --heldout set the cells with --cells")
     if args.specs is not None and spec_flags:
-        raise ValueError(f"--specs gives each spec's heads, head_dim and dtype; it does not go with "
+        raise InvalidArgument(f"--specs gives each spec's heads, head_dim and dtype; it does not go with "
                          f"{', '.join(spec_flags)} (use one or the other)")

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .spec import AttentionSpec
-from .validate import timing
+from .validate import grid, timing
 
 PREFILL_SEQS_MAX = 64
 PREFILL_LEN_MIN, PREFILL_LEN_MAX = 16, 32768
@@ -75,9 +75,9 @@ class HeldoutCell:
         """What bench.compare dispatches with (Selection.prefill_backend_for / decode_backend_for): a ragged decode
         batch by its mean and its longest row, as an engine plans it."""
         if self.phase == "prefill":
-            return timing.prefill_key(list(self.lens))
+            return grid.prefill_key(list(self.lens))
         if self.ragged:
-            return (*timing.ragged_key(list(self.lens)), max(self.lens))
+            return (*grid.ragged_key(list(self.lens)), max(self.lens))
         return (self.batch, self.lens[0])
 
     def point(self) -> tuple[int, ...]:
@@ -86,7 +86,7 @@ class HeldoutCell:
 
     def label(self, index: int) -> str:
         if self.phase == "prefill":
-            return f"#{index} {timing.prefill_label(list(self.lens))}"
+            return f"#{index} {grid.prefill_label(list(self.lens))}"
         if not self.ragged:
             return f"#{index} {self.batch}x{self.lens[0]}"
         return f"#{index} ragged {self.batch} (mean {self.key[1]}, max {max(self.lens)})"
@@ -147,9 +147,9 @@ def timed_points(spec: AttentionSpec, phase: str, mode: str, sms: int | None) ->
     (batch, mean) included in eager mode."""
     cuda = torch.device("cuda")  # the GPU grids (the CPU ones are tiny); no device is touched
     if phase == "prefill":
-        return {timing.prefill_key(lens) for _, lens in timing.prefill_grid(spec, cuda)}
-    points = {(b, c) for _, b, c in timing.decode_grid(spec, cuda, mode=mode, sms=sms)}
-    return points | {timing.ragged_key(lens) for _, lens in timing.ragged_decode_grid(spec, cuda, mode=mode)}
+        return {grid.prefill_key(lens) for _, lens in grid.prefill_grid(spec, cuda)}
+    points = {(b, c) for _, b, c in grid.decode_grid(spec, cuda, mode=mode, sms=sms)}
+    return points | {grid.ragged_key(lens) for _, lens in grid.ragged_decode_grid(spec, cuda, mode=mode)}
 
 
 def timed_batches(spec: AttentionSpec, mode: str, sms: int | None) -> set[int]:

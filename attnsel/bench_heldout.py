@@ -21,7 +21,7 @@ from rich.table import Table
 from . import bench, bench_cells, bench_stats
 from .device import fingerprint
 from .spec import AttentionSpec
-from .validate import timing
+from .validate import grid
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ PHASES = ("prefill", "decode")
 def _work(spec: AttentionSpec, cell: bench_cells.HeldoutCell) -> float:
     """FLOPs (prefill) or KV bytes read (decode) of a cell."""
     if cell.phase == "prefill":
-        return timing.prefill_flops(spec, list(cell.lens))
+        return grid.prefill_flops(spec, list(cell.lens))
     item = torch.finfo(spec.kv_torch_dtype).bits // 8
     return 2 * sum(cell.lens) * spec.num_kv_heads * spec.head_dim * item
 
@@ -121,7 +121,7 @@ def run_heldout(specs: list[AttentionSpec], names: list[str] | None, mode: str, 
     ({"prefill": n, "decode": n}), drawn with ``seed``; ``command``: the CLI arguments, recorded. Needs a CUDA
     device (RuntimeError)."""
     device, names, modes, out_dir, probe = bench.setup(names, mode, out)
-    sms = timing.device_sms(device)
+    sms = grid.device_sms(device)
     started = datetime.datetime.now(datetime.timezone.utc)
     meta = {"seed": seed, "cells_per_phase": counts, "specs": [s.to_dict() for s in specs], "modes": modes,
             "command": "attnsel " + shlex.join(command or []), "device": fingerprint(str(device)),

@@ -13,7 +13,7 @@ from attnsel import bench, bench_cells, bench_heldout, bench_stats
 from attnsel.bench_cells import HeldoutCell, sample_cells
 from attnsel.selection import PhaseChoice, Selection, build_table
 from attnsel.spec import AttentionSpec
-from attnsel.validate import timing
+from attnsel.validate import grid
 from tests.test_cli import run
 from tests.fixtures.dispatch import measured
 
@@ -74,12 +74,12 @@ def test_decode_cells_keep_to_their_ranges_and_graph_batches_are_capture_sizes()
 
 @pytest.mark.parametrize("spec", SPECS + [AttentionSpec(40, 8, 128), AttentionSpec(16, 8, 256)])
 def test_no_cell_is_a_timed_bucket(spec):
-    """Checked against the grids as the selection builds them (timing.prefill_grid, decode_grid with the wave
+    """Checked against the grids as the selection builds them (grid.prefill_grid, decode_grid with the wave
     batches of 132 SMs, ragged_decode_grid), not against the sampler's own list."""
-    timed_pre = {timing.prefill_key(lens) for _, lens in timing.prefill_grid(spec, CUDA)}
+    timed_pre = {grid.prefill_key(lens) for _, lens in grid.prefill_grid(spec, CUDA)}
     for mode in ("eager", "graph"):
-        timed_dec = {(b, c) for _, b, c in timing.decode_grid(spec, CUDA, mode=mode, sms=132)}
-        timed_rag = {timing.ragged_key(lens) for _, lens in timing.ragged_decode_grid(spec, CUDA, mode=mode)}
+        timed_dec = {(b, c) for _, b, c in grid.decode_grid(spec, CUDA, mode=mode, sms=132)}
+        timed_rag = {grid.ragged_key(lens) for _, lens in grid.ragged_decode_grid(spec, CUDA, mode=mode)}
         for c in sample_cells(spec, "prefill", mode, 5, 300, 132):
             assert c.key not in timed_pre
         for c in sample_cells(spec, "decode", mode, 5, 300, 132):
@@ -88,7 +88,7 @@ def test_no_cell_is_a_timed_bucket(spec):
 
 def test_a_draw_on_the_grid_or_seen_before_is_drawn_again(monkeypatch):
     on_grid = HeldoutCell("prefill", (1152,) * 4, False)  # 4 prompts of 1152: a timed prefill bucket
-    assert on_grid.key in {timing.prefill_key(lens) for _, lens in timing.prefill_grid(SPECS[0], CUDA)}
+    assert on_grid.key in {grid.prefill_key(lens) for _, lens in grid.prefill_grid(SPECS[0], CUDA)}
     fresh, other = HeldoutCell("prefill", (1000,) * 4, False), HeldoutCell("prefill", (999, 17), True)
     draws = iter([on_grid, fresh, fresh, on_grid, other])
     monkeypatch.setattr(bench_cells, "draw_prefill", lambda rng: next(draws))
