@@ -231,7 +231,6 @@ class FA3Backend:
 
         return run
 
-
     def plan_extend(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor,
                     seq_lens: torch.Tensor, max_seqlen_q: int, max_seq_len: int) -> RunFn:
         import flash_attn_interface  # noqa: F401  registers torch.ops.flash_attn_3
