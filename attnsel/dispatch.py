@@ -297,7 +297,7 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     if not rows:
         return None
     axes = tuple(measured["axes"])
-    if phase == "decode" and mode == "graph":  # one bucket per batch size, best over the context range
+    if phase in ("decode", "extend") and mode == "graph":  # one bucket per batch size, best over its shapes
         by_batch: dict[int, list] = {}
         for key, label, times, spread, _ in rows:  # graph mode: no host probes
             by_batch.setdefault(key[0], []).append((key, times, spread))

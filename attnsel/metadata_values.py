@@ -107,3 +107,24 @@ def check_decode_run(pages_needed: int, k_cache: torch.Tensor) -> None:
     if k_cache.shape[0] < pages_needed:
         raise ValueError(f"page_table reads page {pages_needed - 1} but k_cache/v_cache hold {k_cache.shape[0]} "
                          f"pages; allowed: page ids < k_cache.shape[0] (${ENV} found this)")
+
+
+def check_extend(cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int,
+                 max_seq_len: int, page_size: int, total_q: int | None) -> None:
+    """The values of an extend plan's metadata: the query offsets (each row at most ``max_seqlen_q`` queries, no
+    more than its context unless the context is 0, a padding row), the contexts and page ids as decode's. ValueError
+    naming the first wrong value; nothing is read during capture."""
+    if _unreadable(cu_seqlens_q):
+        return
+    tq = _offsets("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+    if total_q is not None and total_q < tq:
+        raise ValueError(f"cu_seqlens_q[-1] is {tq}, past q's {total_q} tokens (total_q); allowed: offsets within "
+                         "q's tokens")
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, n in enumerate(lens):
+        lq = cu[b + 1] - cu[b]
+        if n and lq > n:
+            raise ValueError(f"row {b} has {lq} queries (cu_seqlens_q) but seq_lens[{b}] is {n}; allowed: seq_lens "
+                             "counts the whole context, the row's new tokens included (>= its queries), or 0 for a "
+                             "padding row")
+    check_decode(page_table, seq_lens, max_seq_len, page_size)

@@ -298,6 +298,11 @@ def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
     return None, {"version": version, "source": source}
 
 
+def planner(backend: Backend, phase: Phase) -> Callable[..., RunFn]:
+    """The backend's plan function of a phase: plan_prefill, plan_decode or plan_extend."""
+    return getattr(backend, f"plan_{phase}")
+
+
 def first_use_note(backend: Backend) -> str:
     """The backend's ``first_use_note`` ("" if none); a failing attribute gives a note saying so, never an error."""
     try:
