@@ -104,7 +104,8 @@ class FlashAttention:
 
     def configure(self, prefill: str | None = None, decode: str | None = None, **select_options) -> None:
         """Options of the selection these functions run (``attnsel.select``'s: policy, mode, priorities, timeout,
-        cache_dir, use_cache); prefill/decode: "auto" or a backend name (default: the environment, else auto).
+        cache_dir, use_cache, extend: "auto" or a backend name for flash_extend's calls); prefill/decode: "auto" or a
+        backend name (default: the environment, else auto).
         Forgets earlier selections and plans."""
         self._options.clear()
         self._options.update(select_options)
@@ -131,8 +132,8 @@ class FlashAttention:
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
             sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
-            log.info("attnsel for %s on %s (%s): prefill: %s, decode: %s", spec.describe(), device, sel.mode,
-                     sel.prefill, sel.decode)
+            log.info("attnsel for %s on %s (%s): prefill: %s, decode: %s, extend: %s", spec.describe(), device,
+                     sel.mode, sel.prefill, sel.decode, sel.extend)
             self._selections[key] = sel
         return sel  # keyed by the device object as given (str or torch.device): no str() per call
 

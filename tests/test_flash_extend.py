@@ -203,8 +203,8 @@ class Recorder:
     def plan_extend(self, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len=None, total_q=None,
                     context_tokens=None, *, checked=True):
         self.plans.append(dict(cu_seqlens_q=cu_seqlens_q.tolist(), seq_lens=seq_lens.tolist(),
-                               max_seqlen_q=max_seqlen_q, max_seq_len=max_seq_len, total_q=total_q, context_tokens=context_tokens,
-                               checked=checked))
+                               max_seqlen_q=max_seqlen_q, max_seq_len=max_seq_len, total_q=total_q,
+                               context_tokens=context_tokens, checked=checked))
         return lambda q, k_cache, v_cache, **kw: torch.zeros_like(q)
 
 
@@ -320,3 +320,69 @@ def test_bad_arguments_are_named_before_anything_is_written(monkeypatch, what):
     assert rec.plans == []
     assert torch.equal(s.kc.nan_to_num(7.0), before[0].nan_to_num(7.0))
     assert torch.equal(s.vc.nan_to_num(7.0), before[1].nan_to_num(7.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["torch", "triton", "fa3", "flashinfer"])
+def test_gpu_mtp_verify_captured_then_replayed_with_new_lengths(name, tmp_path):
+    """MTP verify (q [batch, 2, H, D], two new k/v per sequence) captured in a CUDA graph in mode "graph", then
+    replayed after the engine rewrote cache_seqlens, q and k/v in place and poisoned the slots past each sequence:
+    each replay appends at the new positions and matches its own float32 reference."""
+    from attnsel import AttentionSpec
+    from attnsel.backends import availability, get, graph_stale_reason
+
+    d, ps, batch, width, dev = 64, 16, 3, 8, "cuda"
+    spec = AttentionSpec(HQ, HK, d, "bf16", page_size=ps)
+    reason = availability(get(name), spec, "extend", torch.device(dev))[0] or graph_stale_reason(get(name), "extend")
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+    flash_api.configure(prefill="triton", decode="triton", extend=name, policy="priority", mode="graph",
+                        cache_dir=str(tmp_path))
+    g = torch.Generator().manual_seed(21)
+    dense_k = torch.randn(batch, width * ps, HK, d, generator=g).bfloat16()
+    dense_v = torch.randn(batch, width * ps, HK, d, generator=g).bfloat16()
+    table = torch.randperm(batch * width + 2, generator=g)[:batch * width].view(batch, width).int().to(dev)
+    kc = torch.zeros(batch * width + 2, ps, HK, d, dtype=torch.bfloat16, device=dev)
+    vc = torch.zeros_like(kc)
+    q = torch.zeros(batch, 2, HQ, d, dtype=torch.bfloat16, device=dev)
+    k_new, v_new = torch.zeros(batch, 2, HK, d, dtype=torch.bfloat16, device=dev), torch.zeros_like(q[:, :, :HK])
+    lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+
+    def set_step(cached):
+        """The engine's in-place writes before a step: lengths, queries, new tokens, caches (NaN past each row)."""
+        lens.copy_(torch.tensor(cached, dtype=torch.int32))
+        q.copy_(torch.randn(batch, 2, HQ, d, generator=g).bfloat16())
+        for b, n in enumerate(cached):
+            k_new[b].copy_(dense_k[b, n:n + 2])
+            v_new[b].copy_(dense_v[b, n:n + 2])
+            for pos in range(width * ps):
+                slot = (table[b, pos // ps], pos % ps)
+                kc[slot] = dense_k[b, pos].to(dev) if pos < n else float("nan")
+                vc[slot] = dense_v[b, pos].to(dev) if pos < n else float("nan")
+
+    def check(out, cached):
+        torch.cuda.synchronize()
+        for b, n in enumerate(cached):
+            ref = reference_attention(q[b].float().cpu(), dense_k[b, :n + 2].float(), dense_v[b, :n + 2].float(),
+                                      d ** -0.5, True)
+            assert (out[b].float().cpu() - ref).abs().max().item() < 2e-2, (name, b, n)
+            for pos in (n, n + 1):
+                assert torch.equal(kc[table[b, pos // ps], pos % ps].cpu(), dense_k[b, pos])
+
+    def call():
+        return attnsel.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, page_table=table,
+                                               causal=True)
+
+    try:
+        set_step([5, 40, 14])
+        check(call(), [5, 40, 14])  # eager, outside capture: the selection is made here
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for cached in ([0, 17, 100], [126, 1, 63], [14, 14, 14]):
+            set_step(cached)
+            graph.replay()
+            check(out, cached)
+    finally:
+        flash_api.configure()
