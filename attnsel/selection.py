@@ -273,6 +273,9 @@ class Selection:
                                          self.spec.page_size, total_q)
         tokens = total_q if total_q is not None else requests * max_seqlen_q
         context = context_tokens if context_tokens is not None else requests * bound
+        if not self.extend:
+            raise SelectionError(f"this selection cannot serve extend (ragged queries over the paged cache): "
+                                 f"{self.phases['extend'].error}", self)
         name = self.extend_backend_for(*extend_key(requests, tokens, context))
         run = backends.get(name).plan_extend(self.spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound)
         if not checked:
@@ -414,7 +417,8 @@ def _decide(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
         try:
             chosen = _choose(phase, choices[phase], ranked, out.tables.get(phase))
         except SelectionError as exc:
-            failures.append(str(exc))
+            if phase != "extend" or source == "explicit":  # extend is optional unless asked for by name
+                failures.append(str(exc))
             phases[phase] = PhaseChoice("", source, ranked, None, str(exc))
             continue
         chosen.status = "selected"

@@ -86,6 +86,7 @@ class Settings:
 
     prefill_backend: str = _var("ATTNSEL_PREFILL_BACKEND", "auto", str, _BACKEND)
     decode_backend: str = _var("ATTNSEL_DECODE_BACKEND", "auto", str, _BACKEND)
+    extend_backend: str = _var("ATTNSEL_EXTEND_BACKEND", "auto", str, _BACKEND)
     backends: tuple[str, ...] = _var("ATTNSEL_BACKENDS", (), _plugins,
                                      "plugin backends as module:object entries separated by commas")
     cache_dir: str | None = _var("ATTNSEL_CACHE_DIR", None, str, "a directory for the result cache")

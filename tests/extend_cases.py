@@ -8,6 +8,7 @@ written into the cache, dequantised, and ``yardstick.reference_attention`` in fl
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ Q_PADDING = 3  # q rows past cu_seqlens_q[-1]
 @dataclass
 class ExtendBatch:
     rows: list[tuple[int, int]]
-    q: torch.Tensor  # [total_q + Q_PADDING, H, D]
+    q: torch.Tensor  # [total_q + padding (Q_PADDING unless given), H, D]
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     page_table: torch.Tensor  # int32 [batch, width]
@@ -59,58 +60,61 @@ class ExtendBatch:
 
 
 def make_batch(spec: AttentionSpec, rows: list[tuple[int, int]], *, seed: int = 0, sentinel: str = "-1",
-               device: torch.device | str = "cpu", spare_pages: int = 3) -> ExtendBatch:
-    """The batch of ``rows`` (q_len, seq_len) for ``spec`` with the traps of the module docstring."""
-    gen = torch.Generator().manual_seed(seed)
-    ps, kvh, d, heads = spec.page_size, spec.num_kv_heads, spec.head_dim, spec.num_q_heads
-    pages_per_row = [math.ceil(n / ps) for _, n in rows]
-    num_pages = sum(pages_per_row) + spare_pages
-    width = max(pages_per_row, default=0) + 2
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    fp8 = spec.kv_dtype is not None
-    store = spec.kv_torch_dtype
-    k_cache = torch.empty(num_pages, ps, kvh, d, dtype=torch.float32)
-    v_cache = torch.empty_like(k_cache)
-    # unused slots: NaN and inf alternating by page (fp8 has no inf: NaN there)
-    for p in range(num_pages):
-        fill = float("nan") if p % 2 or fp8 else float("inf")
-        k_cache[p], v_cache[p] = fill, -fill if fill == float("inf") else fill
-    fill = -1 if sentinel == "-1" else num_pages
-    table = torch.full((len(rows), width), fill, dtype=torch.int32)
-    k_scale = torch.tensor([0.02], dtype=torch.float32) if fp8 else None
-    v_scale = torch.tensor([0.03], dtype=torch.float32) if fp8 else None
-    keys, values, next_page = [], [], 0
-    for b, (lq, n) in enumerate(rows):
-        k = torch.randn(n, kvh, d, generator=gen)
-        v = torch.randn(n, kvh, d, generator=gen)
-        if fp8:  # stored / scale in e4m3; the real keys are the stored values times the scale
-            k = (k / k_scale).to(store).float() * k_scale
-            v = (v / v_scale).to(store).float() * v_scale
-        else:
-            k, v = k.to(spec.torch_dtype).float(), v.to(spec.torch_dtype).float()
-        keys.append(k)
-        values.append(v)
-        for i in range(pages_per_row[b]):
-            page = order[next_page]
-            next_page += 1
-            table[b, i] = page
-            rows_in = slice(i * ps, min(n, (i + 1) * ps))
-            used = rows_in.stop - rows_in.start
-            k_cache[page, :used] = k[rows_in] / (k_scale if fp8 else 1.0)
-            v_cache[page, :used] = v[rows_in] / (v_scale if fp8 else 1.0)
-    total_q = sum(q for q, _ in rows)
-    q = torch.randn(total_q + Q_PADDING, heads, d, generator=gen).to(spec.torch_dtype)
-    q[total_q:] = float("nan")
-    cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor([lq for lq, _ in rows], dtype=torch.int32), 0)
-    sinks = (torch.randn(heads, generator=gen) * 2).float() if spec.sinks else None
+               device: torch.device | str = "cpu", spare_pages: int = 3, num_pages: int | None = None,
+               width: int | None = None, q_rows: int | None = None) -> ExtendBatch:
+    """The batch of ``rows`` (q_len, seq_len) for ``spec`` with the traps of the module docstring, made on
+    ``device`` (realistic GPU sizes are made there, vectorised). ``num_pages``, ``width`` (page-table columns) and
+    ``q_rows`` fix the shapes, so that batches of other rows can be copied into a captured graph's tensors."""
     dev = torch.device(device)
-    return ExtendBatch(
-        rows=list(rows), q=q.to(dev), k_cache=k_cache.to(store).to(dev), v_cache=v_cache.to(store).to(dev),
-        page_table=table.to(dev), seq_lens=torch.tensor([n for _, n in rows], dtype=torch.int32, device=dev),
-        cu_seqlens_q=cu.to(dev), keys=[k.to(dev) for k in keys], values=[v.to(dev) for v in values],
-        sinks=None if sinks is None else sinks.to(dev), k_scale=None if k_scale is None else k_scale.to(dev),
-        v_scale=None if v_scale is None else v_scale.to(dev))
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    ps, kvh, d, heads = spec.page_size, spec.num_kv_heads, spec.head_dim, spec.num_q_heads
+    lens = [n for _, n in rows]
+    pages_per_row = [math.ceil(n / ps) for n in lens]
+    num_pages = num_pages or sum(pages_per_row) + spare_pages
+    width = width or max(pages_per_row, default=0) + 2
+    assert num_pages >= sum(pages_per_row) and width >= max(pages_per_row, default=0)
+    fp8 = spec.kv_dtype is not None
+    # unused slots: NaN on odd pages, inf on even ones (fp8 has no inf: NaN there too)
+    k_cache = torch.full((num_pages, ps, kvh, d), float("nan"), dtype=torch.float32, device=dev)
+    if not fp8:
+        k_cache[0::2] = float("inf")
+    v_cache = -k_cache
+    table = torch.full((len(rows), width), -1 if sentinel == "-1" else num_pages, dtype=torch.int32, device=dev)
+    order = torch.randperm(num_pages, generator=gen, device=dev).to(torch.int32)
+    starts = [0] + list(itertools.accumulate(pages_per_row))
+    slots = []
+    for b, n in enumerate(lens):  # each row's pages: shuffled, its tokens' slots in the flat cache
+        table[b, :pages_per_row[b]] = order[starts[b]:starts[b + 1]]
+        t = torch.arange(n, device=dev)
+        slots.append(table[b, t // ps].long() * ps + t % ps)
+    total_k = sum(lens)
+    k = torch.randn(total_k, kvh, d, generator=gen, device=dev)
+    v = torch.randn(total_k, kvh, d, generator=gen, device=dev)
+    k_scale = torch.tensor([0.02], device=dev) if fp8 else None
+    v_scale = torch.tensor([0.03], device=dev) if fp8 else None
+    if fp8:  # stored = real / scale in e4m3; the real keys are the stored values times the scale
+        k_stored, v_stored = (k / k_scale).to(spec.kv_torch_dtype), (v / v_scale).to(spec.kv_torch_dtype)
+        k, v = k_stored.float() * k_scale, v_stored.float() * v_scale
+    else:
+        k_stored, v_stored = k.to(spec.torch_dtype), v.to(spec.torch_dtype)
+        k, v = k_stored.float(), v_stored.float()
+    k_cache, v_cache = k_cache.to(spec.kv_torch_dtype), v_cache.to(spec.kv_torch_dtype)
+    if total_k:
+        flat = torch.cat(slots)
+        k_cache.view(-1, kvh, d)[flat] = k_stored
+        v_cache.view(-1, kvh, d)[flat] = v_stored
+    total_q = sum(q for q, _ in rows)
+    q_rows = q_rows or total_q + Q_PADDING
+    assert q_rows >= total_q
+    q = torch.randn(q_rows, heads, d, generator=gen, device=dev).to(spec.torch_dtype)
+    q[total_q:] = float("nan")
+    cu = torch.zeros(len(rows) + 1, dtype=torch.int32, device=dev)
+    cu[1:] = torch.cumsum(torch.tensor([lq for lq, _ in rows], dtype=torch.int32, device=dev), 0)
+    sinks = torch.randn(heads, generator=gen, device=dev) * 2 if spec.sinks else None
+    return ExtendBatch(rows=list(rows), q=q, k_cache=k_cache, v_cache=v_cache, page_table=table,
+                       seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), cu_seqlens_q=cu,
+                       keys=list(k.split(lens)), values=list(v.split(lens)), sinks=sinks, k_scale=k_scale,
+                       v_scale=v_scale)
 
 
 def reference(spec: AttentionSpec, batch: ExtendBatch, b: int) -> torch.Tensor:

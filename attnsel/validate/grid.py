@@ -277,6 +277,17 @@ def make_extend_workload(spec: AttentionSpec, device: torch.device, requests: in
                     (q, k_cache, v_cache))
 
 
+def make_ragged_extend_workload(spec: AttentionSpec, device: torch.device, q_lens: list[int], lens: list[int]
+                                ) -> Workload:
+    """Rows of ``q_lens`` queries over ``lens`` tokens of context each (the queries included), pages shuffled."""
+    work = make_ragged_decode_workload(spec, device, "", lens)
+    page_table, seq_lens = work.plan_args
+    _, k_cache, v_cache = work.inputs
+    q = torch.randn(sum(q_lens), spec.num_q_heads, spec.head_dim, device=device, dtype=spec.torch_dtype)
+    return Workload(f"{len(lens)} rows, {sum(q_lens)} queries", (cumulative(q_lens, device), page_table, seq_lens,
+                                                                  max(q_lens), max(lens)), (q, k_cache, v_cache))
+
+
 def prefill_flops(spec: AttentionSpec, lens: list[int]) -> float:
     """FLOPs of causal attention (half the square per sequence), 4 per multiply-add pair of the two matmuls."""
     return sum(4 * spec.num_q_heads * spec.head_dim * n * n / (2 if spec.causal else 1) for n in lens)
@@ -321,7 +332,9 @@ def _nbytes(tensors) -> int:
 
 def rotated_workloads(spec: AttentionSpec, phase: str, shape, device: torch.device) -> tuple[tuple, list[tuple]]:
     """(plan_args, input sets) of one bucket: one plan, several input sets of the same shapes (HBM rotation)."""
-    if phase == "extend":
+    if phase == "extend" and isinstance(shape[0], list):  # (queries per row, contexts per row)
+        first = make_ragged_extend_workload(spec, device, *shape)
+    elif phase == "extend":
         first = make_extend_workload(spec, device, *shape)
     elif phase == "prefill":
         first = make_prefill_workload(spec, device, "", shape)
