@@ -337,7 +337,8 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, extend:
     earlier in priority order); ``Selection.plan_prefill``/``plan_decode`` then pick the backend from the batch's
     shape. "priority" takes the first valid candidate for every shape; an explicit name serves every shape. In mode
     "graph" every candidate must also be captured and replayed correctly in a CUDA graph. ``budget_s``: seconds of
-    bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 50; a tight budget gives a coarser grid).
+    bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 75, shared by the timed phases; a tight budget
+    gives a coarser grid).
     With torch.distributed initialised, rank 0 decides and every rank gets the same Selection.
     ``canary_every``: N > 0 recomputes one planned batch in N (per phase and backend) by the float32 reference while
     serving and demotes a backend that fails the check (module canary; the Selection's ``canary``); 0 off; None

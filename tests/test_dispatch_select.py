@@ -45,7 +45,7 @@ def test_priority_and_explicit_choices_have_no_table(monkeypatch):
     calls = []
     fake_worker(monkeypatch, {}, calls)
     sel = select(SPEC, policy="priority", prefill_priority=["triton", "torch"], decode_priority=["triton", "torch"])
-    assert sel.dispatch == {"prefill": None, "decode": None}
+    assert sel.dispatch == {"prefill": None, "decode": None, "extend": None}
     assert all(t[0] != timing.TIMING_TASK for t in calls[0][0])
     assert sel.decode_backend_for(1, 10) == sel.decode_backend_for(256, 10**5) == "triton"
     explicit = select(SPEC, prefill="torch", decode="torch")
@@ -236,8 +236,8 @@ def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
     time again on every run (second review, 2026-12-05)."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:TORCH_COPY")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
-    both = dict(prefill_priority=["torch", "torch_copy"], decode_priority=["torch", "torch_copy"])
-    decode_only = dict(prefill="torch", decode_priority=["torch", "torch_copy"])
+    both = dict(prefill_priority=["torch", "torch_copy"], decode_priority=["torch", "torch_copy"], extend="torch")
+    decode_only = dict(prefill="torch", decode_priority=["torch", "torch_copy"], extend="torch")
 
     def stored():
         from attnsel.cache import ResultCache
