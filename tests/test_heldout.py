@@ -259,10 +259,12 @@ def test_heldout_flags_reach_run_heldout(capsys, monkeypatch):
     assert got["command"] == ["bench", "--heldout", "7", "--specs", "40/8,32/8/64/fp16, 8/1/float16", "--page-size",
                               "32", "--cells", "3,5", "--mode", "graph", "--repeats", "2"]
     code, _, _ = run(capsys, "bench", "--heldout", "0")
-    assert code == 0 and got["specs"] == bench_heldout.HELDOUT_SPECS and got["counts"] == {"prefill": 12, "decode": 24}
+    assert code == 0 and got["specs"] == bench_heldout.HELDOUT_SPECS and got["counts"] == {"prefill": 12, "decode": 24, "extend": 16}
     code, _, _ = run(capsys, "bench", "--heldout", "0", "--cells", "9", "--num-heads", "48", "--num-kv-heads", "8",
                      "--head-dim", "128")
-    assert code == 0 and got["specs"] == [AttentionSpec(48, 8, 128)] and got["counts"] == {"prefill": 9, "decode": 9}
+    assert code == 0 and got["specs"] == [AttentionSpec(48, 8, 128)] and got["counts"] == {"prefill": 9, "decode": 9, "extend": 9}
+    code, _, _ = run(capsys, "bench", "--heldout", "3", "--phases", "extend", "--cells", "1,1,6")
+    assert code == 0 and got["phases"] == ("extend",) and got["counts"]["extend"] == 6
     held = bench_heldout.HELDOUT_SPECS
     assert {(s.num_q_heads, s.num_kv_heads) for s in held} >= {(32, 8), (28, 4), (8, 1), (40, 8), (48, 8)}
     assert {s.head_dim for s in held} == {64, 128, 256} and {s.dtype for s in held} == {"bf16", "fp16"}
