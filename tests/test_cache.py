@@ -17,7 +17,8 @@ from attnsel.validate import runner
 SPEC = AttentionSpec(4, 2, 64, "fp16")
 # Two valid candidates that validate in a blink (torch and a copy of it under another name): the cache's behaviour
 # does not depend on which backends are validated, and Triton's interpreter would take most of these tests' time.
-PAIR = dict(prefill_priority=["torch_copy", "torch"], decode_priority=["torch_copy", "torch"])
+PAIR = dict(prefill_priority=["torch_copy", "torch"], decode_priority=["torch_copy", "torch"],
+            extend_priority=["torch_copy", "torch"])
 
 
 @pytest.fixture

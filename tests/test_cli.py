@@ -189,16 +189,16 @@ def test_cache_commands(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # one table row per entry
     run(capsys, "report", *SMALL, "--policy", "priority")
     code, out, _ = run(capsys, "cache", "show")
-    assert code == 0 and "5 entries" in " ".join(out.split())  # two backends x prefill, decode; torch extend
+    assert code == 0 and "6 entries" in " ".join(out.split())  # triton, torch x prefill, decode, extend
     assert "4/2 heads, head_dim 64, fp16, page 16" in " ".join(out.split())  # the spec in words
     run(capsys, "report", *SMALL, "--sliding-window", "8", "--policy", "priority")
     code, out, _ = run(capsys, "cache", "show")
     words = " ".join(out.split())  # the windowed spec's entries are told apart from the plain ones
-    assert "10 entries" in words and "sliding window 8" in words
+    assert "12 entries" in words and "sliding window 8" in words
     run(capsys, "cache", "clear")
     run(capsys, "report", *SMALL, "--policy", "priority")
     code, out, _ = run(capsys, "cache", "clear")
-    assert code == 0 and out.startswith("removed 5 entries")
+    assert code == 0 and out.startswith("removed 6 entries")
 
 
 # ---- configs with several layer kinds; errors that name their source; --version; -q --------------------------------
