@@ -276,8 +276,14 @@ class Selection:
         if not self.extend:
             raise SelectionError(f"this selection cannot serve extend (ragged queries over the paged cache): "
                                  f"{self.phases['extend'].error}", self)
-        name = self.extend_backend_for(*extend_key(requests, tokens, context))
+        key = extend_key(requests, tokens, context)
+        name = self.extend_backend_for(*key)
+        sample = None
+        if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
+            name, sample = self.canary.serve("extend", self.phases["extend"], key, None, name, seq_lens)
         run = backends.get(name).plan_extend(self.spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound)
+        if sample is not None:
+            run = sample.wrap(run, (cu_seqlens_q, page_table, seq_lens), bound)
         if not checked:
             return run
         return checked_extend(run, self.spec, seq_lens.get_device(), total_q)
