@@ -175,9 +175,11 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
     return checked
 
 
-def checked_extend(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None) -> RunFn:
+def checked_extend(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
+                   pages_needed: int | None = None) -> RunFn:
     """run(q, k_cache, v_cache, **features) of an extend plan with the tensors checked against the spec and plan (no
-    sync): q ``[total_q, heads, head_dim]`` (any number of rows when ``total_q`` is None), the caches as decode's."""
+    sync): q ``[total_q, heads, head_dim]`` (any number of rows when ``total_q`` is None), the caches as decode's
+    (``pages_needed`` too)."""
     hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
     dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
     plain = not (spec.sinks or spec.kv_dtype)
@@ -188,6 +190,8 @@ def checked_extend(run: RunFn, spec: AttentionSpec, device: int, total_q: int | 
         check_tensor("v_cache", v_cache, (pages, ps, hk, d), kdt, device)
         if pages == 0:
             raise ValueError(f"k_cache/v_cache hold 0 pages ({list(k_cache.shape)}); allowed: at least one page")
+        if pages_needed is not None:
+            metadata_values.check_decode_run(pages_needed, k_cache)
         if kwargs or not plain:
             _check_features(spec, kwargs, "extend")
         return run(q, k_cache, v_cache, **kwargs)
@@ -197,8 +201,8 @@ def checked_extend(run: RunFn, spec: AttentionSpec, device: int, total_q: int | 
 
 
 def _pages_checked(run: RunFn, pages_needed: int) -> RunFn:
-    """An unchecked decode run (the FA-compatible calls check the rest) that still holds the caches to the pages its
-    value-checked plan reads (``ATTNSEL_CHECK_METADATA``)."""
+    """An unchecked decode or extend run (the FA-compatible calls check the rest) that still holds the caches to the
+    pages its value-checked plan reads (``ATTNSEL_CHECK_METADATA``)."""
     def check_pages(k_cache):
         metadata_values.check_decode_run(pages_needed, k_cache)
 

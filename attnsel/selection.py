@@ -260,27 +260,35 @@ class Selection:
         query tokens; default requests x ``max_seqlen_q``) and ``context_tokens`` (the contexts summed; default
         requests x ``max_seq_len``, else the page table's reach). ``max_seq_len`` bounds every row's context (default:
         what the page table can hold). The run function checks q (its rows against ``total_q`` when given) and the
-        caches against the spec; ``checked=False``: the backend's run itself. Keep the run function alive as long as
-        any CUDA graph that captured it may be replayed."""
+        caches against the spec; ``checked=False``: the backend's run itself (under ATTNSEL_CHECK_METADATA=1 both
+        also refuse caches with fewer pages than the rows read). Keep the run function alive as long as any CUDA
+        graph that captured it may be replayed."""
         check_extend_metadata(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len)
-        for arg, value in (("total_q", total_q), ("context_tokens", context_tokens)):
-            if value is not None and (not _host_int(value) or value < 0):
-                raise InvalidArgument(f"{arg}: expected None or a non-negative Python int, got {value!r}")
+        for arg, value, what in (("total_q", total_q, "q's rows: the batch's query tokens, padding included"),
+                                 ("context_tokens", context_tokens, "the requests' contexts summed")):
+            if value is not None and (not _host_int(value) or value < 0):  # a tensor would be read: a device sync
+                raise InvalidArgument(f"{arg}: expected None or a non-negative Python int ({what}), got {value!r}")
         requests = seq_lens.shape[0]
         bound = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
-        if metadata_values.enabled():  # opt-in: one host copy per plan (see metadata_values)
-            metadata_values.check_extend(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound,
-                                         self.spec.page_size, total_q)
+        pages_needed = (metadata_values.check_extend(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound,
+                                                     self.spec.page_size, total_q, self.spec.sliding_window)
+                        if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
         tokens = total_q if total_q is not None else requests * max_seqlen_q
         context = context_tokens if context_tokens is not None else requests * bound
         if not self.extend:
             raise SelectionError(f"this selection cannot serve extend (ragged queries over the paged cache): "
                                  f"{self.phases['extend'].error}", self)
-        name = self.extend_backend_for(*extend_key(requests, tokens, context))
+        key = extend_key(requests, tokens, context)
+        name = self.extend_backend_for(*key)
+        sample = None
+        if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
+            name, sample = self.canary.serve("extend", self.phases["extend"], key, None, name, seq_lens)
         run = backends.get(name).plan_extend(self.spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound)
+        if sample is not None:
+            run = sample.wrap(run, (cu_seqlens_q, page_table, seq_lens), bound)
         if not checked:
-            return run
-        return checked_extend(run, self.spec, seq_lens.get_device(), total_q)
+            return run if pages_needed is None else _pages_checked(run, pages_needed)
+        return checked_extend(run, self.spec, seq_lens.get_device(), total_q, pages_needed)
 
     def to_json(self) -> dict:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,

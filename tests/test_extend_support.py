@@ -9,7 +9,7 @@ from attnsel.backends.fa3 import FP8_MAX, quantize_q_rows, token_rows
 from attnsel.backends.flashinfer import _extend_layout
 from attnsel.spec import AttentionSpec
 from attnsel.validate import yardstick
-from tests.extend_cases import make_batch, reference
+from tests.fixtures.extend_cases import make_batch, reference
 from tests.test_backend_support import FA3_FLAGS, hopper_with_libraries  # noqa: F401  (a fixture)
 
 
@@ -112,7 +112,7 @@ def test_fp8_queries_per_row_stay_within_the_per_token_tolerance(window, outlier
         if lq == 0:
             continue
         qs = int(batch.cu_seqlens_q[b])
-        ref = reference(spec, batch, b)
+        ref = reference(batch, b)
         careful = yardstick.careful_attention(batch.q[qs:qs + lq], batch.keys[b], batch.values[b], spec.scale, True,
                                               window=window, dtype=spec.torch_dtype, fp8=True)
         tol = yardstick.row_tolerance(spec, yardstick.row_errors(careful, ref))
@@ -202,7 +202,7 @@ FI_FEATURES = {"plain": {}, "window": {"sliding_window": 5}, "softcap": {"softca
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("feature", list(FI_FEATURES))
 def test_flashinfer_extend_glue_against_the_reference(feature, page_size, fake_flashinfer):
-    from tests.extend_cases import row_failures
+    from tests.fixtures.extend_cases import row_failures
 
     spec = AttentionSpec(8, 2, 32, "fp32", page_size=page_size, **FI_FEATURES[feature])
     batch = make_batch(spec, [(4, 40), (0, 3), (3, 0), (6, 6), (2, 2 * page_size + 1), (1, 1)], seed=2)
@@ -213,16 +213,16 @@ def test_flashinfer_extend_glue_against_the_reference(feature, page_size, fake_f
         run = get(name).plan_extend(spec, cu, *batch.plan_args()[1:])
         cu.fill_(0)  # the engine's next batch, written in place: the plan keeps its own copy
         out = run(batch.q, batch.k_cache, batch.v_cache, **batch.run_kwargs())
-        failures = row_failures(spec, batch, out, atol=2e-5)
+        failures = row_failures(batch, out, atol=2e-5)
         assert not failures, "\n".join(failures)
 
 
 def test_flashinfer_decode_with_sinks_shares_the_paged_sink_plan(fake_flashinfer):
     """Decode with sinks is the paged sink plan with one query per row: rows of length 0 give zeros."""
-    from tests.extend_cases import row_failures
+    from tests.fixtures.extend_cases import row_failures
 
     spec = AttentionSpec(8, 2, 32, "fp32", page_size=4, sinks=True)
     batch = make_batch(spec, [(1, 9), (1, 0), (1, 1), (1, 4)], seed=3)
     out = get("flashinfer").plan_decode(spec, batch.page_table, batch.seq_lens)(
         batch.q[:batch.total_q], batch.k_cache, batch.v_cache, sinks=batch.sinks)
-    assert not row_failures(spec, batch, out, atol=2e-5)
+    assert not row_failures(batch, out, atol=2e-5)

@@ -1,6 +1,6 @@
 """The extend phase (ragged queries over the paged cache) of FA3 and FlashInfer on the GPU, judged row by row
 (every query token) against the float32 reference within the validation's per-token tolerance
-(tests/extend_cases.py): the CPU suite's traps at page sizes 1, 16 and 64 with every feature, realistic sizes
+(tests/fixtures/extend_cases.py): the CPU suite's traps at page sizes 1, 16 and 64 with every feature, realistic sizes
 (8 x 512 new tokens over 8k prefixes, MTP 64 rows x 4k x 2 queries, page size 1), LightLLM's call (the caches
 viewed as [-1, 1, kvh, d] with a token-level table), and for FA3 a CUDA graph captured once and replayed after the
 engine rewrites seq_lens, page_table, cu_seqlens_q, q and the caches in place. torch runs the same cases as the
@@ -16,7 +16,7 @@ import torch
 
 from attnsel.backends import get
 from attnsel.spec import AttentionSpec
-from tests.extend_cases import make_batch, row_failures
+from tests.fixtures.extend_cases import make_batch, row_failures
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -70,7 +70,7 @@ def _judge(name: str, spec: AttentionSpec, batch, *, k_cache=None, v_cache=None,
         assert torch.equal(old.view(torch.uint8) if old.element_size() == 1 else old.nan_to_num(),
                            new.view(torch.uint8) if new.element_size() == 1 else new.nan_to_num()), "input changed"
     assert torch.equal(out[:total], again[:total]), "a second run of the plan differs"
-    failures = row_failures(spec, batch, out)
+    failures = row_failures(batch, out)
     assert not failures, f"{name}: " + "\n".join(failures)
 
 
@@ -171,5 +171,5 @@ def test_fa3_graph_replays_in_place_updates(name, feature, metadata):
         out.fill_(float("nan"))  # the replay must write the output
         graph.replay()
         torch.cuda.synchronize()
-        failures = row_failures(spec, batch, out)
+        failures = row_failures(batch, out)
         assert not failures, f"{name} replay of {batch.rows}: " + "\n".join(failures)

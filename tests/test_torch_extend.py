@@ -1,5 +1,5 @@
 """The torch backend's extend phase (ragged queries over the paged cache) against an independent float32 reference,
-row by row (tests/extend_cases.py): page sizes, prefixes, shuffled pages, NaN/inf in unused slots, sentinels in
+row by row (tests/fixtures/extend_cases.py): page sizes, prefixes, shuffled pages, NaN/inf in unused slots, sentinels in
 unused page-table columns, MTP rows, ragged rows with 0 queries or 0 keys, every feature, GQA; decode as the
 one-query case; the errors a caller sees."""
 import pytest
@@ -8,7 +8,7 @@ import torch
 from attnsel.backends import graph_stale_reason
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.spec import AttentionSpec
-from tests.extend_cases import make_batch, row_failures
+from tests.fixtures.extend_cases import make_batch, row_failures
 
 ATOL = {"fp32": 2e-5}  # torch in float32 against the float32 reference; other dtypes: the per-token tolerance
 
@@ -21,7 +21,7 @@ def _check(spec, rows, *, seed=0, sentinel="-1", atol=None):
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     assert torch.equal(batch.q.isnan(), q_before.isnan()) and torch.equal(batch.q.nan_to_num(), q_before.nan_to_num())
     assert torch.isfinite(out[:batch.total_q]).all()
-    failures = row_failures(spec, batch, out, atol=ATOL.get(spec.dtype) if atol is None else atol)
+    failures = row_failures(batch, out, atol=ATOL.get(spec.dtype) if atol is None else atol)
     assert not failures, "\n".join(failures)
     return batch, out
 
@@ -85,7 +85,7 @@ def test_decode_is_extend_with_one_query_per_row():
     decode = TORCH.plan_decode(spec, batch.page_table, batch.seq_lens)(
         batch.q[:batch.total_q], batch.k_cache, batch.v_cache, **batch.run_kwargs())
     assert torch.allclose(extend[:batch.total_q], decode, atol=1e-6, rtol=0)
-    assert not row_failures(spec, batch, extend, atol=2e-5)
+    assert not row_failures(batch, extend, atol=2e-5)
 
 
 def test_lightllm_token_level_table_and_strided_caches():
@@ -103,7 +103,7 @@ def test_lightllm_token_level_table_and_strided_caches():
                              batch.max_seq_len)(batch.q, k1, v1)
     total = batch.total_q
     assert torch.allclose(out1[:total], out16[:total], atol=1e-6, rtol=0)
-    assert not row_failures(spec16, batch, out16, atol=2e-5)
+    assert not row_failures(batch, out16, atol=2e-5)
     both = torch.stack((batch.k_cache, batch.v_cache), 1)  # [pages, 2, ps, kvh, d]
     strided = TORCH.plan_extend(spec16, *batch.plan_args())(batch.q, both[:, 0], both[:, 1])
     assert torch.equal(strided[:total], out16[:total])

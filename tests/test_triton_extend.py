@@ -21,7 +21,7 @@ import torch
 import attnsel.backends.triton as tb
 from attnsel.backends import get
 from attnsel.spec import AttentionSpec
-from tests.fixtures.extend_cases import extend_case
+from tests.fixtures.extend_cases import make_batch
 from tests.fixtures.feature_cases import decode_case
 
 CPU = torch.device("cpu")
@@ -32,9 +32,14 @@ def _spec(q=8, kv=2, d=64, dtype="fp16", page=16, **kw):
     return AttentionSpec(q, kv, d, dtype=dtype, page_size=page, **kw)
 
 
+def _case(spec, device, q_lens, seq_lens, **kwargs):
+    """The extend batch of rows (q_lens[b], seq_lens[b]) (tests/fixtures/extend_cases.make_batch)."""
+    return make_batch(spec, list(zip(q_lens, seq_lens)), device=device, **kwargs)
+
+
 def _run(case):
     run = case.plan(get("triton"))
-    return run, run(case.q, case.k_cache, case.v_cache, **case.kwargs)
+    return run, run(case.q, case.k_cache, case.v_cache, **case.run_kwargs())
 
 
 # name: (spec, q_lens, seq_lens, sentinel, q_mul, (long tiles, split, one query per tile), merge in kernel)
@@ -68,7 +73,7 @@ CASES = {
 def test_extend_rows_against_reference(name, monkeypatch):
     spec, q_lens, seq_lens, sentinel, q_mul, path, merge = CASES[name]
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", merge)
-    case = extend_case(spec, CPU, q_lens, seq_lens, sentinel=sentinel, q_mul=q_mul)
+    case = _case(spec, CPU, q_lens, seq_lens, sentinel=sentinel, q_mul=q_mul)
     q, k_cache, v_cache = case.q.clone(), case.k_cache.clone(), case.v_cache.clone()
     run, out = _run(case)
     assert (run.tiles.long, run.splits > 1, run.tiles.block_q == 1) == path, "the case no longer reaches its path"
@@ -77,9 +82,9 @@ def test_extend_rows_against_reference(name, monkeypatch):
     for b, n in enumerate(seq_lens):  # rows without keys: exactly zero
         if n == 0:
             assert out[cu[b]:cu[b + 1]].abs().sum().item() == 0
-    assert torch.equal(q, case.q) and k_cache.view(torch.uint8).equal(case.k_cache.view(torch.uint8)) \
-        and v_cache.view(torch.uint8).equal(case.v_cache.view(torch.uint8)), "run changed an input"
-    again = run(case.q, case.k_cache, case.v_cache, **case.kwargs)
+    for before, after in ((q, case.q), (k_cache, case.k_cache), (v_cache, case.v_cache)):  # bits: NaN traps
+        assert before.view(torch.uint8).equal(after.view(torch.uint8)), "run changed an input"
+    again = run(case.q, case.k_cache, case.v_cache, **case.run_kwargs())
     total = cu[-1]
     assert torch.equal(again[:total], out[:total]), "a second run of the plan differs"
 
@@ -88,11 +93,11 @@ def test_extend_window_boundary_is_exact():
     """A reference one token wider fails the check on the same output: the per-row tolerance tells a window off by
     one apart."""
     spec, q_lens, seq_lens, sentinel, q_mul, _, _ = CASES["window-softcap-sinks-long-page1"]
-    case = extend_case(spec, CPU, q_lens, seq_lens, sentinel=sentinel, q_mul=q_mul)
+    case = _case(spec, CPU, q_lens, seq_lens, sentinel=sentinel, q_mul=q_mul)
     _, out = _run(case)
     case.check(out)
-    wider = extend_case(_spec(page=1, sliding_window=10, softcap=8.0, sinks=True), CPU, q_lens, seq_lens,
-                        sentinel=sentinel, q_mul=q_mul)
+    wider = _case(_spec(page=1, sliding_window=10, softcap=8.0, sinks=True), CPU, q_lens, seq_lens,
+                  sentinel=sentinel, q_mul=q_mul)
     with pytest.raises(AssertionError, match="tolerance"):
         wider.check(out)
 
@@ -125,11 +130,11 @@ def test_decode_output_unchanged(name, monkeypatch):
 def test_decode_is_extend_with_one_query_per_row(lens):
     """One query per row: extend's plan (one-query tiles) and decode's give the same bits."""
     spec = _spec(page=4, sinks=True)
-    case = extend_case(spec, CPU, [1] * len(lens), lens)
+    case = _case(spec, CPU, [1] * len(lens), lens)
     run, out = _run(case)
     assert run.tiles.block_q == 1 and (run.splits > 1) == (max(lens) > 128)
-    decoded = get("triton").plan_decode(spec, case.page_table, case.lens)(case.q[:len(lens)], case.k_cache,
-                                                                            case.v_cache, **case.kwargs)
+    decoded = get("triton").plan_decode(spec, case.page_table, case.seq_lens)(
+        case.q[:len(lens)], case.k_cache, case.v_cache, **case.run_kwargs())
     assert torch.equal(out[:len(lens)], decoded)
 
 
@@ -142,17 +147,17 @@ def test_runs_read_metadata_updated_in_place(copies, monkeypatch):
     import attnsel.backends.support as support
 
     spec = _spec(page=4)
-    case = extend_case(spec, CPU, [3, 3, 3], [60, 30, 50], sentinel=-1)  # the cache holds the longest contexts
-    case.lens.copy_(torch.tensor([9, 3, 41]))
+    case = _case(spec, CPU, [3, 3, 3], [60, 30, 50], sentinel=-1)  # the cache holds the longest contexts
+    case.seq_lens.copy_(torch.tensor([9, 3, 41]))
     case.cu_seqlens_q.copy_(torch.tensor([0, 3, 6, 9]))
     if copies:
         monkeypatch.setattr(support, "capturing", lambda t: True)
-        case.cu_seqlens_q, case.page_table, case.lens = (case.cu_seqlens_q.long(), case.page_table.long(),
-                                                         case.lens.long())
+        case.cu_seqlens_q, case.page_table, case.seq_lens = (case.cu_seqlens_q.long(), case.page_table.long(),
+                                                             case.seq_lens.long())
     run = case.plan(get("triton"))
     updates = [([9, 3, 41], [3, 3, 3]), ([12, 30, 44], [2, 3, 1]), ([17, 0, 50], [3, 0, 3]), ([60, 2, 7], [1, 2, 0])]
     for step, (lens, q_lens) in enumerate(updates):
-        case.lens.copy_(torch.tensor(lens))
+        case.seq_lens.copy_(torch.tensor(lens))
         case.cu_seqlens_q.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()]))
         if step == 2:  # row 0's second page moves to the spare page (its old page filled with NaN)
             old, spare = int(case.page_table[0, 1]), case.k_cache.shape[0] - 1
@@ -177,8 +182,8 @@ def test_unsupported_names_what_extend_does_not_serve():
 
 def test_plan_and_run_refuse_bad_arguments():
     spec = _spec(sinks=True)
-    case = extend_case(spec, CPU, [2, 1], [5, 3])
-    cu, table, lens, max_q, max_len = case.plan_args
+    case = _case(spec, CPU, [2, 1], [5, 3])
+    cu, table, lens, max_q, max_len = case.plan_args()
     triton = get("triton")
     with pytest.raises(ValueError, match="max_seqlen_q must be a host int >= 0"):
         triton.plan_extend(spec, cu, table, lens, -1, max_len)
@@ -188,24 +193,24 @@ def test_plan_and_run_refuse_bad_arguments():
         triton.plan_extend(spec, cu[:-1], table, lens, max_q, max_len)
     with pytest.raises(ValueError, match="page_table must be an int32"):
         triton.plan_extend(spec, cu, table.float(), lens, max_q, max_len)
-    run = triton.plan_extend(spec, *case.plan_args)
+    run = triton.plan_extend(spec, *case.plan_args())
     with pytest.raises(ValueError, match="spec.sinks needs sinks"):
         run(case.q, case.k_cache, case.v_cache)
     fp8 = _spec(dtype="bf16", kv_dtype="fp8_e4m3")
-    fp8_case = extend_case(fp8, CPU, [2], [5])
+    fp8_case = _case(fp8, CPU, [2], [5])
     with pytest.raises(ValueError, match="needs k_scale and v_scale"):
-        triton.plan_extend(fp8, *fp8_case.plan_args)(fp8_case.q, fp8_case.k_cache, fp8_case.v_cache)
+        triton.plan_extend(fp8, *fp8_case.plan_args())(fp8_case.q, fp8_case.k_cache, fp8_case.v_cache)
 
 
 def test_empty_batch_and_rows_without_queries():
     """A batch of 0 rows, and one whose rows all have 0 queries: no launch fails, nothing is read."""
     spec = _spec()
-    case = extend_case(spec, CPU, [0, 0], [7, 0])
+    case = _case(spec, CPU, [0, 0], [7, 0])
     _, out = _run(case)
     assert out.shape == case.q.shape
-    empty = extend_case(spec, CPU, [], [], pad_rows=2)
-    assert get("triton").plan_extend(spec, *empty.plan_args)(empty.q, empty.k_cache, empty.v_cache).shape == (2, 8,
-                                                                                                              64)
+    empty = _case(spec, CPU, [], [], q_rows=2)
+    out = get("triton").plan_extend(spec, *empty.plan_args())(empty.q, empty.k_cache, empty.v_cache)
+    assert out.shape == (2, 8, 64)
 
 
 def test_tiles_follow_query_rows():
@@ -264,7 +269,7 @@ GPU_CASES = {
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_gpu_extend_against_reference(name):
     spec, q_lens, seq_lens = GPU_CASES[name]
-    case = extend_case(spec, "cuda", q_lens, seq_lens, sentinel=-1)
+    case = _case(spec, "cuda", q_lens, seq_lens, sentinel=-1)
     run, out = _run(case)
     torch.cuda.synchronize()
     print(f"{name}: tiles {run.tiles}, splits {run.splits}, worst error / tolerance {case.check(out):.3f}")
@@ -280,11 +285,11 @@ def test_gpu_extend_cuda_graph_replays_in_place_updates(where, q_lens, max_q):
     write new seq_lens, page_table entries, cu_seqlens_q and q into the same tensors; every replay against its own
     float32 reference (rows growing across pages, a row going to 0 queries and back, a page moved)."""
     spec = GQA4
-    case = extend_case(spec, "cuda", [max_q] * 4, [3000, 700, 1200, 64], sentinel=-1)
+    case = _case(spec, "cuda", [max_q] * 4, [3000, 700, 1200, 64], sentinel=-1)
     q = torch.empty_like(case.q)
 
     def update(lens, qs, step):
-        case.lens.copy_(torch.tensor(lens))
+        case.seq_lens.copy_(torch.tensor(lens))
         case.cu_seqlens_q.copy_(torch.tensor([0, *torch.tensor(qs).cumsum(0).tolist()]))
         q.copy_(torch.randn_like(q))
         if step == 2:  # row 0's third page moves to the spare page; its old page turns to NaN
@@ -295,7 +300,7 @@ def test_gpu_extend_cuda_graph_replays_in_place_updates(where, q_lens, max_q):
             case.page_table[0, 2] = spare
 
     update([100, 20, 90, 17], q_lens, 0)
-    plan_args = (case.cu_seqlens_q, case.page_table, case.lens, max_q, 3000)
+    plan_args = (case.cu_seqlens_q, case.page_table, case.seq_lens, max_q, 3000)
     triton = get("triton")
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
@@ -332,15 +337,15 @@ def test_gpu_extend_speed_targets():
     calls it; skipped without FA3), and MTP (2 queries) at batch 64 x 4k within 1.3x one-query decode's time."""
     triton = get("triton")
     spec = GQA4
-    mtp = extend_case(spec, "cuda", [2] * 64, [4096 + 2] * 64, sentinel=-1)
+    mtp = _case(spec, "cuda", [2] * 64, [4096 + 2] * 64, sentinel=-1)
     run = mtp.plan(triton)
     t_mtp = _median_ms(lambda: run(mtp.q, mtp.k_cache, mtp.v_cache))
     last = mtp.cu_seqlens_q[1:] - 1  # each row's last query, as decode's one query
     q1 = mtp.q[last.long()]
-    dec = triton.plan_decode(spec, mtp.page_table, mtp.lens)
+    dec = triton.plan_decode(spec, mtp.page_table, mtp.seq_lens)
     t_dec = _median_ms(lambda: dec(q1, mtp.k_cache, mtp.v_cache))
     print(f"MTP 2 x 64 x 4k: extend {t_mtp * 1e3:.1f} us, decode {t_dec * 1e3:.1f} us, ratio {t_mtp / t_dec:.2f}")
-    chunk = extend_case(spec, "cuda", [512] * 8, [8192 + 512] * 8, sentinel=-1)
+    chunk = _case(spec, "cuda", [512] * 8, [8192 + 512] * 8, sentinel=-1)
     run = chunk.plan(triton)
     t_ext = _median_ms(lambda: run(chunk.q, chunk.k_cache, chunk.v_cache))
     flops = 4 * spec.num_q_heads * spec.head_dim * sum(512 * 8192 + 512 * 513 / 2 for _ in range(8))
@@ -353,7 +358,7 @@ def test_gpu_extend_speed_targets():
     q = chunk.q[:512 * 8]
 
     def fa3():
-        return flash_attn_with_kvcache(q, chunk.k_cache, chunk.v_cache, cache_seqlens=chunk.lens,
+        return flash_attn_with_kvcache(q, chunk.k_cache, chunk.v_cache, cache_seqlens=chunk.seq_lens,
                                        page_table=chunk.page_table, cu_seqlens_q=chunk.cu_seqlens_q,
                                        max_seqlen_q=512, causal=True)
 
