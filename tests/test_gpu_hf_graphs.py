@@ -86,7 +86,8 @@ def watch(monkeypatch) -> tuple[dict, list]:
 
 def selections() -> dict:
     """flash_api's selections by mode ("configured" or "graph")."""
-    return {("graph" if key[2] == "graph" else "configured"): sel for key, sel in flash_api._selections.items()}
+    return {("graph" if key[2] == "graph" else "configured"): sel
+            for key, sel in flash_api.default()._selections.items()}
 
 
 def assert_near_greedy(path, tokens):
