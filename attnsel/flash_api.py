@@ -128,10 +128,12 @@ class FlashAttention:
         sel = self._selections.get(key)
         if sel is None:
             env = Settings.from_env()
-            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, **self._options,
+            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, "extend": env.extend_backend,
+                    **self._options,
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
-            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
+            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), opts.pop("extend"), device=str(device),
+                         **opts)
             log.info("attnsel for %s on %s (%s): prefill: %s, decode: %s, extend: %s", spec.describe(), device,
                      sel.mode, sel.prefill, sel.decode, sel.extend)
             self._selections[key] = sel

@@ -102,10 +102,12 @@ class HFAttention:
         key = (spec, str(device)) if mode is None else (spec, str(device), mode)
         if key not in self.selections:
             env = Settings.from_env()
-            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, **self.options,
+            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, "extend": env.extend_backend,
+                    **self.options,
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
-            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
+            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), opts.pop("extend"), device=str(device),
+                         **opts)
             log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
             self.selections[key] = sel
         return self.selections[key]
