@@ -249,3 +249,17 @@ def test_an_extend_phase_that_cannot_be_served_raises_at_plan_while_prefill_and_
     with pytest.raises(SelectionError, match=re.escape("extend backend 'fa3' was requested explicitly but is "
                                                        "unavailable")):
         select(SPEC, "torch", "torch", "fa3")
+
+
+def test_a_non_causal_spec_has_no_extend_phase_with_the_reason():
+    """Extend is causal by contract (validation's reference is): a non-causal spec's extend phase is unavailable on
+    every backend, torch included, and its prefill and decode still serve."""
+    from attnsel.backends import availability, get
+    from attnsel.selection import select as _select
+
+    spec = AttentionSpec(4, 2, 64, "fp32", causal=False)
+    reason, _ = availability(get("torch"), spec, "extend")
+    assert reason and "non-causal" in reason and "extend is causal" in reason
+    sel = _select(spec, policy="priority", prefill_priority=["torch"], decode_priority=["torch"])
+    assert sel.extend == "" and "non-causal" in sel.phases["extend"].error
+    assert (sel.prefill, sel.decode) == ("torch", "torch")

@@ -269,6 +269,9 @@ def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
     name = getattr(backend, "name", repr(backend))
     if phase == "extend" and not callable(getattr(backend, "plan_extend", None)):
         return "no plan_extend: this backend does not serve ragged queries over the paged cache", None
+    if phase == "extend" and not spec.causal:  # the phase's contract, whatever a backend could compute
+        return ("the spec is non-causal (causal=False); extend is causal attention of new tokens over their cached "
+                "prefix"), None
     try:
         check = backend.unsupported
         reason = _one_reason(_bounded(lambda: check(spec, phase, device=device) if device is not None
