@@ -66,7 +66,7 @@ def test_report_fits_80_columns_with_a_40_line_reason(capsys, monkeypatch):
     assert len(summary) == 1 and "Fatal Python error: Segmentation fault (+39 lines: --json)" in summary[0]
     assert "launch_30" not in out
     assert "launch_30" in err  # the full reason went to the log
-    assert lines[-3:] == ["prefill: torch (auto)", "decode: triton (auto)", "extend: torch (auto)"]
+    assert lines[-3:] == ["prefill: torch (auto)", "decode: triton (auto)", "extend: triton (auto)"]
     # --json carries the whole reason
     code, out, _ = run(capsys, monkeypatch, 80, "report", *SMALL, "--policy", "priority", "--json",
                        "--prefill-priority", "stacky,torch", "--decode-priority", "triton,torch")
