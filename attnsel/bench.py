@@ -141,7 +141,8 @@ def static_choice(valid: list[str]) -> str | None:
 
 
 def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: bool, device: torch.device,
-             probe: dict, progress, repeats: int = 1, grid=None) -> tuple[list[Cell], dict, list[tuple]]:
+             probe: dict, progress, repeats: int = 1, grid=None, phases: tuple[str, ...] = ("prefill", "decode")
+             ) -> tuple[list[Cell], dict, list[tuple]]:
     """Time the grid ``repeats`` times (whole passes one after another, so that a cell's passes are tens of seconds
     apart); a cell's time per backend is the median over the passes (a backend with an error in any pass has no
     time). ``grid(phase, mode)``: the (label, key, shape, work) cells of that phase and mode instead of shapes()'s.
@@ -149,7 +150,7 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     checks, plan = {}, []
-    for phase in ("prefill", "decode"):
+    for phase in phases:
         status = valid_backends(spec, phase, names, device)
         checks[phase] = status
         runnable = [n for n, why in status.items() if not why]
@@ -187,7 +188,7 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
         for c in row:
             if c.us and best:
                 c.vs_best = c.us / best
-                if phase == "decode":
+                if phase != "prefill":
                     c.vs_copy, c.vs_read = c.rate / probe["copy_tbps"], c.rate / probe["read_tbps"]
         cells.extend(row)
         if best:
@@ -206,9 +207,11 @@ def compare(spec: AttentionSpec, phase: str, mode: str, label: str, key: tuple, 
     if sel is not None:
         if phase == "prefill":
             picks["selected"] = sel.prefill_backend_for(*key)
+        elif phase == "extend":
+            picks["selected"] = sel.extend_backend_for(*key)
         else:
             picks["selected"] = sel.decode_backend_for(*key)
-        picks["one_backend"] = sel.prefill if phase == "prefill" else sel.decode
+        picks["one_backend"] = sel.phases[phase].backend
     for strategy, name in picks.items():
         cell = by_name.get(name)
         out[strategy] = name
@@ -329,6 +332,7 @@ def select_modes(spec: AttentionSpec, modes: list[str], device: torch.device, re
             continue
         sel = choices[mode]
         records.append({"spec": spec.to_dict(), "mode": mode, "prefill": sel.prefill, "decode": sel.decode,
+                        "extend": sel.extend,
                         "cache": sel.cache, "wall_s": time.perf_counter() - t_sel, "stats": sel.stats,
                         "dispatch": {p: t.to_json() if t else None for p, t in sel.dispatch.items()}})
         log.info("selection (%s, %s, cache %s) in %.1f s: %s", spec.describe(), mode, sel.cache,

@@ -34,8 +34,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                              "grid; default specs: 32/8, 28/4, 8/1, 40/8, 48/8, 32/8/64, 16/8/256, 32/8/fp16")
     g.add_argument("--heldout", metavar="SEED", help="draw the cells with this seed (a non-negative integer); "
                                                      "writes heldout.json and heldout.md to --out")
-    g.add_argument("--cells", metavar="N or PREFILL,DECODE",
-                   help="cells per spec, phase and launch mode (default 12 prefill, 24 decode)")
+    g.add_argument("--cells", metavar="N or PREFILL,DECODE[,EXTEND]",
+                   help="cells per spec, phase and launch mode (default 12 prefill, 24 decode, 16 extend)")
+    g.add_argument("--phases", type=comma_names, metavar="P,...", default=None,
+                   help="the phases to draw cells of: prefill, decode, extend (default prefill,decode)")
 
 
 def parse_seed(text: str) -> int:
@@ -46,15 +48,29 @@ def parse_seed(text: str) -> int:
 
 
 def parse_cells(text: str, default: dict) -> dict:
-    """``N`` (both phases) or ``PREFILL,DECODE``: cells per spec, phase and mode, each 1 to 1000."""
+    """``N`` (every phase) or ``PREFILL,DECODE[,EXTEND]``: cells per spec, phase and mode, each 1 to 1000."""
     if text is None:
         return dict(default)
     parts = [p.strip() for p in text.split(",")]
-    if len(parts) not in (1, 2) or not all(re.fullmatch(r"[0-9]+", p) and 1 <= int(p) <= 1000 for p in parts):
+    if len(parts) not in (1, 2, 3) or not all(re.fullmatch(r"[0-9]+", p) and 1 <= int(p) <= 1000 for p in parts):
         raise InvalidArgument(f"--cells takes N or PREFILL,DECODE, whole numbers of cells from 1 to 1000 (e.g. --cells 8 "
                          f"or --cells 8,16); got {text!r}")
     counts = [int(p) for p in parts]
-    return {"prefill": counts[0], "decode": counts[-1]}
+    if len(counts) == 1:
+        return {"prefill": counts[0], "decode": counts[0], "extend": counts[0]}
+    return {"prefill": counts[0], "decode": counts[1], "extend": counts[2] if len(counts) == 3 else default["extend"]}
+
+
+def parse_phases(names: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """--phases: a subset of prefill, decode, extend (InvalidArgument naming the allowed ones)."""
+    if names is None:
+        return default
+    allowed = ("prefill", "decode", "extend")
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise InvalidArgument(f"--phases takes phases from {', '.join(allowed)}, comma-separated; got "
+                              f"{','.join(names)!r}")
+    return tuple(dict.fromkeys(names))
 
 
 def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
@@ -84,6 +100,8 @@ def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
 def check(args: argparse.Namespace, spec_flags: list[str]) -> None:
     """The combinations that make no sense: --cells without --heldout, --quick with it, --specs beside spec flags
     (``spec_flags``: those given, --page-size aside, which --specs uses)."""
+    if args.phases is not None and args.heldout is None:
+        raise InvalidArgument("--phases sets the held-out phases: give --heldout SEED too")
     if args.cells is not None and args.heldout is None:
         raise InvalidArgument("--cells sets the held-out cells per phase: give --heldout SEED too")
     if args.quick and args.heldout is not None:

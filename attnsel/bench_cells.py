@@ -21,6 +21,12 @@ table keys decode by batch size alone, so a cell at a timed batch size sits on t
 four timed contexts): such cells are kept, marked ``timed_batch``, and the summary also reports the cells at untimed
 batch sizes alone.
 
+Extend (ragged queries over the paged cache), one of three kinds at random (under CUDA graphs multi-token decode
+only, batch sizes padded as decode's): chunked prefill (1-8 requests, a chunk of 128-2048 new tokens each, prefixes
+log-uniform 1k-32k), prompt-cache hits (1-16 requests, 50-500 new tokens each over a prefix around 8k, lognormal
+sigma 0.5), multi-token decode and speculative verify (1-256 requests, 2-4 queries each, contexts drawn as decode's
+ragged rows). Off the grid: its point (requests, mean queries, mean context) is no timed bucket's.
+
 Each (seed, phase) has its own random stream (decode: per launch mode too), independent of the spec: specs see the
 same cells except where one spec's grid rejects a draw (the wave-edge batch sizes depend on KV heads and SMs).
 """
@@ -34,6 +40,7 @@ import torch
 
 from .spec import AttentionSpec
 from .validate import grid, timing
+from .validate.extend_grid import extend_grid, extend_key
 
 PREFILL_SEQS_MAX = 64
 PREFILL_LEN_MIN, PREFILL_LEN_MAX = 16, 32768
@@ -48,15 +55,22 @@ RAGGED_SHARE = 0.5
 CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, DECODE_BATCH_MAX + 1, 16))
 MAX_TRIES = 1000  # draws per cell before giving up (the grid rejects a small share of draws)
 _STREAMS = {("prefill", "eager"): (0, 0), ("prefill", "graph"): (0, 0),  # prefill: one stream for both modes
-            ("decode", "eager"): (1, 0), ("decode", "graph"): (1, 1)}
+            ("decode", "eager"): (1, 0), ("decode", "graph"): (1, 1),
+            ("extend", "eager"): (2, 0), ("extend", "graph"): (2, 1)}
+EXTEND_KINDS = ("chunk", "cache_hit", "mtp")
+CHUNK_REQUESTS, CHUNK_NEW, CHUNK_PREFIX = 8, (128, 2048), (1024, 32768)
+HIT_REQUESTS, HIT_NEW, HIT_PREFIX_MEDIAN, HIT_PREFIX_SIGMA = 16, (50, 500), 8192.0, 0.5
+MTP_REQUESTS, MTP_QUERIES = 256, (2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
 class HeldoutCell:
-    """One drawn batch: prompt lengths (prefill) or per-row contexts (decode)."""
+    """One drawn batch: prompt lengths (prefill) or per-row contexts (decode, extend: queries included)."""
     phase: str
     lens: tuple[int, ...]
     ragged: bool
+    q_lens: tuple[int, ...] = ()  # extend: each row's queries
+    kind: str = ""  # extend: chunk, cache_hit or mtp
 
     @property
     def batch(self) -> int:
@@ -66,6 +80,8 @@ class HeldoutCell:
     def shape(self):
         """What timing.time_bucket takes: prompt lengths; (batch, context) for a uniform decode batch, the contexts
         for a ragged one."""
+        if self.phase == "extend":
+            return (list(self.q_lens), list(self.lens))
         if self.phase == "prefill" or self.ragged:
             return list(self.lens)
         return (self.batch, self.lens[0])
@@ -76,15 +92,20 @@ class HeldoutCell:
         batch by its mean and its longest row, as an engine plans it."""
         if self.phase == "prefill":
             return grid.prefill_key(list(self.lens))
+        if self.phase == "extend":
+            return extend_key(self.batch, sum(self.q_lens), sum(self.lens))
         if self.ragged:
             return (*grid.ragged_key(list(self.lens)), max(self.lens))
         return (self.batch, self.lens[0])
 
     def point(self) -> tuple[int, ...]:
         """The cell's place on the table's axes: prefill (sequences, total, longest), decode (batch, mean)."""
-        return self.key if self.phase == "prefill" else self.key[:2]
+        return self.key if self.phase != "decode" else self.key[:2]
 
     def label(self, index: int) -> str:
+        if self.phase == "extend":
+            _, q, c = self.key
+            return f"#{index} {self.kind} {self.batch}x{q} over {c}{' (ragged)' if self.ragged else ''}"
         if self.phase == "prefill":
             return f"#{index} {grid.prefill_label(list(self.lens))}"
         if not self.ragged:
@@ -141,6 +162,28 @@ def draw_decode(rng: np.random.Generator, mode: str, token_cap: int = DECODE_TOK
     return HeldoutCell("decode", tuple(lens), len(set(lens)) > 1)
 
 
+def draw_extend(rng: np.random.Generator, mode: str, token_cap: int = DECODE_TOKEN_CAP) -> HeldoutCell:
+    kind = "mtp" if mode == "graph" else EXTEND_KINDS[int(rng.integers(len(EXTEND_KINDS)))]
+    if kind == "chunk":
+        n = int(_log_uniform_int(rng, 1, CHUNK_REQUESTS))
+        new = [int(_log_uniform_int(rng, *CHUNK_NEW))] * n
+        prefix = [int(x) for x in _log_uniform_int(rng, *CHUNK_PREFIX, n)]
+    elif kind == "cache_hit":
+        n = int(_log_uniform_int(rng, 1, HIT_REQUESTS))
+        new = [int(x) for x in _log_uniform_int(rng, *HIT_NEW, n)]
+        prefix = [int(x) for x in _lognormal_int(rng, HIT_PREFIX_MEDIAN, HIT_PREFIX_SIGMA, 256, 32768, n)]
+    else:
+        n = int(_log_uniform_int(rng, 1, MTP_REQUESTS))
+        if mode == "graph":
+            n = capture_size(n)
+        new = [int(rng.integers(MTP_QUERIES[0], MTP_QUERIES[1] + 1))] * n
+        hi = max(DECODE_CTX_MIN, min(DECODE_CTX_MAX, token_cap // n))
+        median = int(_lognormal_int(rng, CTX_MEDIAN, CTX_SIGMA, DECODE_CTX_MIN, hi, 1)[0])
+        prefix = [int(x) for x in _lognormal_int(rng, median, ROW_SIGMA, DECODE_CTX_MIN, hi, n)]
+    lens = tuple(p + q for p, q in zip(prefix, new))
+    return HeldoutCell("extend", lens, len(set(lens)) > 1 or len(set(new)) > 1, tuple(new), kind)
+
+
 def timed_points(spec: AttentionSpec, phase: str, mode: str, sms: int | None) -> set[tuple[int, ...]]:
     """The table points the selection times for ``spec`` on a GPU of ``sms`` multiprocessors (no memory limit: a
     superset of any device's grid): prefill (sequences, total, longest); decode (batch, context), the ragged buckets'
@@ -148,6 +191,8 @@ def timed_points(spec: AttentionSpec, phase: str, mode: str, sms: int | None) ->
     cuda = torch.device("cuda")  # the GPU grids (the CPU ones are tiny); no device is touched
     if phase == "prefill":
         return {grid.prefill_key(lens) for _, lens in grid.prefill_grid(spec, cuda)}
+    if phase == "extend":
+        return {shape if mode == "eager" else shape[:1] for _, shape in extend_grid(spec, cuda, mode=mode)}
     points = {(b, c) for _, b, c in grid.decode_grid(spec, cuda, mode=mode, sms=sms)}
     return points | {grid.ragged_key(lens) for _, lens in grid.ragged_decode_grid(spec, cuda, mode=mode)}
 
@@ -169,15 +214,21 @@ def sample_cells(spec: AttentionSpec, phase: str, mode: str, seed: int, count: i
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"the held-out seed must be a non-negative integer, got {seed!r}")
     if (phase, mode) not in _STREAMS:
-        raise ValueError(f"phase must be prefill or decode and mode eager or graph, got {phase!r}, {mode!r}")
+        raise ValueError(f"phase must be prefill, decode or extend and mode eager or graph, got {phase!r}, {mode!r}")
     rng = rng_for(seed, phase, mode)
     timed = timed_points(spec, phase, mode, sms)
     cells: list[HeldoutCell] = []
     seen: set[tuple[int, ...]] = set()
     for _ in range(count):
         for _ in range(MAX_TRIES):
-            cell = draw_prefill(rng) if phase == "prefill" else draw_decode(rng, mode, token_cap)
-            if cell.point() not in timed and cell.lens not in seen:
+            if phase == "extend":
+                cell = draw_extend(rng, mode, token_cap)
+            else:
+                cell = draw_prefill(rng) if phase == "prefill" else draw_decode(rng, mode, token_cap)
+            # under CUDA graphs the extend table keys by batch size alone: every cell sits on a timed batch size's
+            # key (never on a timed shape: its contexts are drawn), as decode's timed_batch cells
+            point = () if phase == "extend" and mode == "graph" else cell.point()
+            if point not in timed and cell.lens not in seen:
                 break
         else:
             raise RuntimeError(f"no {phase} cell off the timed grid in {MAX_TRIES} draws")

@@ -30,37 +30,40 @@ log = logging.getLogger(__name__)
 HELDOUT_SPECS = [AttentionSpec(q, kv, d, dtype, 16) for q, kv, d, dtype in (
     (32, 8, 128, "bf16"), (28, 4, 128, "bf16"), (8, 1, 128, "bf16"), (40, 8, 128, "bf16"), (48, 8, 128, "bf16"),
     (32, 8, 64, "bf16"), (16, 8, 256, "bf16"), (32, 8, 128, "fp16"))]
-DEFAULT_CELLS = {"prefill": 12, "decode": 24}  # per spec, phase and launch mode
-PHASES = ("prefill", "decode")
+DEFAULT_CELLS = {"prefill": 12, "decode": 24, "extend": 16}  # per spec, phase and launch mode
+PHASES = ("prefill", "decode")  # by default; extend on request (--phases)
 
 
 def _work(spec: AttentionSpec, cell: bench_cells.HeldoutCell) -> float:
-    """FLOPs (prefill) or KV bytes read (decode) of a cell."""
+    """FLOPs (prefill) or KV bytes read (decode, extend) of a cell."""
     if cell.phase == "prefill":
         return grid.prefill_flops(spec, list(cell.lens))
     item = torch.finfo(spec.kv_torch_dtype).bits // 8
     return 2 * sum(cell.lens) * spec.num_kv_heads * spec.head_dim * item
 
 
-def draw(spec: AttentionSpec, modes: list[str], seed: int, counts: dict, sms: int | None) -> dict:
+def draw(spec: AttentionSpec, modes: list[str], seed: int, counts: dict, sms: int | None,
+         phases: tuple[str, ...] = PHASES) -> dict:
     """(phase, mode) -> [(label, cell)] of ``spec``'s held-out cells."""
     cap = bench_cells.decode_token_cap(spec, bench.MAX_KV_BYTES)
     return {(phase, mode): [(cell.label(i + 1), cell) for i, cell in enumerate(
         bench_cells.sample_cells(spec, phase, mode, seed, counts[phase], sms, cap))]
-        for phase in PHASES for mode in modes}
+        for phase in phases for mode in modes}
 
 
 def evaluate_spec(spec: AttentionSpec, names: list[str], modes: list[str], seed: int, counts: dict,
                   device: torch.device, probe: dict, sms: int | None, repeats: int,
-                  selections: list[dict]) -> tuple[list[bench.Cell], dict, list[dict]]:
+                  selections: list[dict], phases: tuple[str, ...] = PHASES
+                  ) -> tuple[list[bench.Cell], dict, list[dict]]:
     """Time ``spec``'s held-out cells, select per mode (records appended to ``selections``) and compare: returns the
     timed cells, the validity checks and one comparison row per cell with a time (bench.compare's, plus the
     cell's lengths, batch size, each backend's time over the fastest, and under CUDA graphs whether its decode batch
     size is a timed one)."""
-    drawn = draw(spec, modes, seed, counts, sms)
+    drawn = draw(spec, modes, seed, counts, sms, phases)
     cells, checks, groups = bench.run_grid(
         spec, names, modes, False, device, probe, log.info, repeats,
-        grid=lambda phase, mode: [(label, c.key, c.shape, _work(spec, c)) for label, c in drawn[(phase, mode)]])
+        grid=lambda phase, mode: [(label, c.key, c.shape, _work(spec, c)) for label, c in drawn[(phase, mode)]],
+        phases=phases)
     choices = bench.select_modes(spec, modes, device, selections)
     by_label = {(phase, mode, label): c for (phase, mode), items in drawn.items() for label, c in items}
     graph_batches = bench_cells.timed_batches(spec, "graph", sms)
@@ -68,7 +71,7 @@ def evaluate_spec(spec: AttentionSpec, names: list[str], modes: list[str], seed:
     for phase, mode, label, key, row, runnable in groups:
         r = bench.compare(spec, phase, mode, label, key, row, runnable, choices.get(mode))
         cell = by_label[(phase, mode, label)]
-        r.update(lens=list(cell.lens), batch=cell.batch, ragged=cell.ragged,
+        r.update(lens=list(cell.lens), batch=cell.batch, ragged=cell.ragged, q_lens=list(cell.q_lens),
                  ratios={c.backend: c.vs_best for c in row if c.vs_best})
         if phase == "decode" and mode == "graph":
             r["timed_batch"] = cell.batch in graph_batches
@@ -116,7 +119,8 @@ def markdown(summary: list[dict], header: str) -> str:
 
 
 def run_heldout(specs: list[AttentionSpec], names: list[str] | None, mode: str, out: str, seed: int, counts: dict,
-                console: Console, repeats: int = 1, command: list[str] | None = None) -> int:
+                console: Console, repeats: int = 1, command: list[str] | None = None,
+                phases: tuple[str, ...] = PHASES) -> int:
     """The held-out bench of ``specs`` in ``mode`` ("eager", "graph" or "both") with ``counts`` cells per phase
     ({"prefill": n, "decode": n}), drawn with ``seed``; ``command``: the CLI arguments, recorded. Needs a CUDA
     device (RuntimeError)."""
@@ -130,14 +134,14 @@ def run_heldout(specs: list[AttentionSpec], names: list[str] | None, mode: str, 
     t0 = time.perf_counter()
     for spec in specs:
         spec_cells, spec_checks, spec_rows = evaluate_spec(spec, names, modes, seed, counts, device, probe, sms,
-                                                           repeats, selections)
+                                                           repeats, selections, phases)
         cells += spec_cells
         checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
         rows += spec_rows
         bench_stats.batch_bound(rows)
         summary = bench_stats.summarise(rows, seed)  # written after every spec: a run cut short keeps what it did
         header = (f"# attnsel bench --heldout {seed} on {meta['device'].get('gpu')} ({started:%Y-%m-%d}), "
-                  f"{repeats} pass(es), {counts['prefill']} prefill and {counts['decode']} decode cells per spec and "
+                  f"{repeats} pass(es), " + ", ".join(f"{counts[p]} {p}" for p in phases) + " cells per spec and "
                   f"mode\n\n`{meta['command']}`. Within 3%: share of cells where the strategy's pick is at most 1.03x "
                   "the cell's fastest valid backend; intervals: 95% bootstrap over the cells. batch bound (graph "
                   "decode): the best single backend per batch size, chosen afterwards from these cells' times.")

@@ -67,8 +67,8 @@ def batch_bound(rows: list[dict]) -> None:
     choice is made once, not per bootstrap resample."""
     groups: dict = {}
     for r in rows:
-        if r["phase"] == "decode" and r["mode"] == "graph":
-            groups.setdefault((r["spec"], r["batch"]), []).append(r)
+        if r["phase"] in ("decode", "extend") and r["mode"] == "graph":
+            groups.setdefault((r["spec"], r["phase"], r["batch"]), []).append(r)
     for group in groups.values():
         names = sorted({n for r in group for n in r["ratios"]})
 

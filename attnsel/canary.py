@@ -4,22 +4,25 @@ reference and judged by the validation's check; a backend that fails it stops se
 Why: a kernel can pass validation and still go wrong in service, after many requests or on one batch mix (outputs of
 one sequence that change with another's length, NaN after a number of requests). Validation sees neither.
 
-How (``Selection.plan_prefill``/``plan_decode`` call ``Canary.serve`` when the Selection holds a canary):
+How (``Selection.plan_prefill``/``plan_decode``/``plan_extend`` call ``Canary.serve`` when the Selection holds a
+canary):
 - sampling is a counter per (phase, backend) over the plans made outside CUDA-graph capture: plans 0, N, 2N, ...
   are sampled (deterministic). A plan made while capturing is neither counted nor sampled; an unsampled plan gets
   the backend's run function unwrapped. A sampled plan's first run (one layer) is copied; its later runs are not.
 - the copy is made off the serving stream: on the GPU a side stream waits on an event recorded after the run,
-  copies the inputs (q, k/v, or the pages the plan's bound covers, the metadata, the feature inputs) and the
+  copies the inputs (q, k/v or the pages the plan's bound covers, the metadata, the feature inputs) and the
   output, and the serving stream waits on the copy's event, so that the engine's next writes into those buffers
   come after it. Nothing is read on the host there: the run makes no host sync.
 - the check is read later: each plan (and ``poll``/``report``) advances the sampled batches whose side-stream work
   is done (an event query, never a wait): first the reference is launched on the side stream (its metadata read on
   the host from the finished copies), then, once it is done, ``cases.check_output`` judges the output. On the CPU
-  the same steps run at the next plan without waiting for anything.
+  the same steps run at the next plan without waiting for anything. Each output row (a query token, all heads) is
+  judged as in validation; extend rows past the batch's queries (padding) are not.
 - a mismatch is logged with the batch's shape, counted, demotes the backend for the bucket that served the batch
-  (the dispatch table's nearest timed bucket, or the whole phase without a table): the next best there (by the
-  bucket's times, then the phase's priority order) serves it from the next plan on; and its cached verdict is
-  dropped, so that the next selection validates it again. An explicit choice has no next best: it keeps serving.
+  (the dispatch table's nearest timed bucket, extend's by requests x query tokens x context, under CUDA graphs by
+  the number of requests; or the whole phase without a table): the next best there (by the bucket's times, then
+  the phase's priority order) serves it from the next plan on; and its cached verdict is dropped, so that the next
+  selection validates it again. An explicit choice has no next best: it keeps serving.
 State lives in the Canary object a Selection holds (``Selection.canary``; None when off).
 """
 from __future__ import annotations
@@ -70,10 +73,10 @@ class Bucket:
 
 
 def bucket_of(choice, key: tuple, longest: int | None) -> Bucket:
-    """The bucket of a batch (``key`` on the phase's axes, decode (batch, context); ``longest`` as the table's
-    lookup takes it) in a PhaseChoice: the nearest timed bucket of its dispatch table (the ragged sub-table where it
-    serves the batch), ranked by that bucket's times and then the phase's valid candidates in priority order; an
-    explicit choice ranks itself alone."""
+    """The bucket of a batch (``key`` on the phase's axes, decode (batch, context), extend (requests, query tokens,
+    context), of which a graph table reads the first; ``longest`` as the table's lookup takes it) in a PhaseChoice:
+    the nearest timed bucket of its dispatch table (the ragged sub-table where it serves the batch), ranked by that
+    bucket's times and then the phase's valid candidates in priority order; an explicit choice ranks itself alone."""
     valid = [c.name for c in choice.candidates if c.status in ("selected", "valid")]
     if choice.source == "explicit":
         return Bucket(("phase",), "every shape", (choice.backend,))
@@ -90,9 +93,11 @@ def bucket_of(choice, key: tuple, longest: int | None) -> Bucket:
 
 
 def shape_text(phase: str, key: tuple, longest: int | None) -> str:
-    """The batch's shape as plan_prefill/plan_decode bucket it (host ints, no sync)."""
+    """The batch's shape as plan_prefill/plan_decode/plan_extend bucket it (host ints, no sync)."""
     if phase == "prefill":
         return f"{key[0]} sequences, {key[1]} query tokens, longest {key[2]}"
+    if phase == "extend":
+        return f"{key[0]} requests, mean {key[1]} query tokens over a mean context of {key[2]}"
     if longest is not None:
         return f"{key[0]} rows, mean context {key[1]}, longest {longest}"
     return f"{key[0]} rows, context {key[1]}"
@@ -118,9 +123,11 @@ class Sample:
 
     def wrap(self, run, plan_args: tuple, bound: int | None = None):
         """run with its first call copied for the check. ``plan_args``: prefill (cu_q, cu_k, ...), decode
-        (page_table, seq_lens); ``bound``: decode, a host bound on the batch's longest row (longest or
-        max_seq_len; None: the page table's width) that limits the pages copied."""
-        pages = -(-bound // self.canary.spec.page_size) if self.phase == "decode" and bound is not None else None
+        (page_table, seq_lens), extend (cu_q, page_table, seq_lens); ``bound``: decode and extend, a host bound on
+        the batch's longest row (longest or max_seq_len; None: the page table's width) that limits the pages
+        copied."""
+        paged = self.phase != "prefill" and bound is not None
+        pages = -(-bound // self.canary.spec.page_size) if paged else None
         taken = False
 
         def sampled(*inputs, **kwargs):

@@ -28,7 +28,8 @@ FIELD_FLAGS = {"num_q_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "
 FIELD_DESTS = {"num_q_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "dtype": "dtype",
                "page_size": "page_size", "sliding_window": "sliding_window", "softcap": "softcap", "sinks": "sinks",
                "kv_dtype": "kv_dtype", "softmax_scale": "softmax_scale"}
-BACKEND_FLAGS = {"prefill": "--llm_prefill_att_backend", "decode": "--llm_decode_att_backend"}
+BACKEND_FLAGS = {"prefill": "--llm_prefill_att_backend", "decode": "--llm_decode_att_backend",
+                 "extend": "--extend-backend"}
 EXIT_OUTPUT, EXIT_USAGE, EXIT_UNSERVED = 1, 2, 3  # 1: stdout could not take the output
 LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
 
@@ -69,12 +70,16 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
                    help="'auto' (default; $ATTNSEL_PREFILL_BACKEND) or a backend name")
     g.add_argument("--llm_decode_att_backend", "--decode-backend", dest="decode",
                    help="'auto' (default; $ATTNSEL_DECODE_BACKEND) or a backend name")
+    g.add_argument("--extend-backend", dest="extend",
+                   help="ragged queries over the paged cache (chunked prefill, prompt-cache hits, multi-token "
+                        "decode): 'auto' (default; $ATTNSEL_EXTEND_BACKEND) or a backend name")
     g.add_argument("--policy", choices=POLICIES, default="measure",
                    help="auto: time valid candidates (measure, default) or take the first valid (priority)")
     g.add_argument("--mode", choices=MODES, default="eager",
                    help="how the engine launches kernels, for timing: eager or CUDA graph replays")
     g.add_argument("--prefill-priority", type=_names, metavar="A,B,...", help="auto candidates for prefill, in order")
     g.add_argument("--decode-priority", type=_names, metavar="A,B,...", help="auto candidates for decode, in order")
+    g.add_argument("--extend-priority", type=_names, metavar="A,B,...", help="auto candidates for extend, in order")
     g.add_argument("--timeout", type=float, metavar="S",
                    help="seconds per candidate in the validation worker (default $ATTNSEL_VALIDATION_TIMEOUT or 600)")
     g.add_argument("--device", help="torch device to validate on (default: cuda if present, else cpu)")
@@ -169,7 +174,7 @@ def _check_backend_choice(where: str, value: str, allow_auto: bool = True) -> No
 
 def check_backend_args(args: argparse.Namespace) -> None:
     """Resolve --llm_*_att_backend from the environment and check every backend name given, naming its source."""
-    for phase in ("prefill", "decode"):
+    for phase in ("prefill", "decode", "extend"):
         value, where = _backend_choice(args, phase)
         _check_backend_choice(where, value)
         setattr(args, phase, value)
@@ -188,8 +193,9 @@ def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -
     if args.mode == "graph" and not str(device).startswith("cuda"):
         raise CannotRun(f"--mode graph times CUDA-graph replays and needs a CUDA device; the device is {device} "
                         "(use --mode eager)")
-    return select(spec, args.prefill, args.decode, policy=args.policy, mode=args.mode,
-                  prefill_priority=args.prefill_priority, decode_priority=args.decode_priority, timeout=args.timeout,
+    return select(spec, args.prefill, args.decode, args.extend, policy=args.policy, mode=args.mode,
+                  prefill_priority=args.prefill_priority, decode_priority=args.decode_priority,
+                  extend_priority=args.extend_priority, timeout=args.timeout,
                   cache_dir=args.cache_dir, use_cache=not args.no_cache, device=args.device)
 
 
@@ -290,7 +296,7 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     import torch
 
     from .bench import run_bench
-    from .bench_heldout import DEFAULT_CELLS, HELDOUT_SPECS, run_heldout
+    from .bench_heldout import DEFAULT_CELLS, HELDOUT_SPECS, PHASES, run_heldout
 
     flags = (["--config"] if args.config else []) + [FIELD_FLAGS[f] for f in _given(args) if f != "page_size"]
     bench_args.check(args, flags)  # --specs takes --page-size alone of the spec flags
@@ -303,11 +309,12 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
         raise UsageError(f"--repeats must be a whole number of passes, at least 1; got {args.repeats}")
     seed = bench_args.parse_seed(args.heldout) if args.heldout is not None else None
     counts = bench_args.parse_cells(args.cells, DEFAULT_CELLS)
+    phases = bench_args.parse_phases(args.phases, PHASES)
     if not torch.cuda.is_available():
         raise CannotRun("attnsel bench times kernels on a CUDA device; none was found")
     if seed is not None:
         return run_heldout(base if isinstance(base, list) else [base] if base else HELDOUT_SPECS, args.backends,
-                           args.mode, args.out, seed, counts, Console(), args.repeats, args.argv)
+                           args.mode, args.out, seed, counts, Console(), args.repeats, args.argv, phases)
     return run_bench(base, args.backends, args.mode, args.out, args.quick, Console(), args.repeats)
 
 

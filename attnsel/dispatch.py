@@ -297,7 +297,7 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     if not rows:
         return None
     axes = tuple(measured["axes"])
-    if phase == "decode" and mode == "graph":  # one bucket per batch size, best over the context range
+    if phase in ("decode", "extend") and mode == "graph":  # one bucket per batch size, best over its shapes
         by_batch: dict[int, list] = {}
         for key, label, times, spread, _ in rows:  # graph mode: no host probes
             by_batch.setdefault(key[0], []).append((key, times, spread))
@@ -306,7 +306,7 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
             names = [n for n in order if all(n in times for _, times, _ in group)]
             if not names:  # no candidate was timed at every context of this batch size
                 continue
-            ctxs = [key[1] for key, _, _ in group]
+            ctxs = [key[-1] for key, _, _ in group]  # the context: the last axis (decode and extend)
             times = {n: _geomean([t[n] for _, t, _ in group]) for n in names}
             spread = {n: max(s.get(n, 0.0) for _, _, s in group) for n in names}
             rows.append(((batch,), f"batch {batch} (ctx {min(ctxs)}-{max(ctxs)})", times, spread, None))

@@ -33,7 +33,8 @@ plan syncs with the host, so a FlashInfer selection cannot be captured here.
 
 Decode plans take q in FA3's ``[batch, 1, H, D]`` (``Selection.plan_decode(q_layout="b1hd")``): FA3 and Triton runs
 take that layout as it comes; other backends get q viewed as ``[batch, H, D]`` and out viewed back (two views, a few
-microseconds of host time).
+microseconds of host time). Calls with more than one query or new token per sequence, varlen queries over the cache
+and the paged varlen form go to ``flash_extend`` (``Selection.plan_extend``).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ import math
 import torch
 
 from . import kv_append
+from .flash_extend import ExtendCalls
 from .backends.support import capturing as _capturing  # module attribute: the timing script stubs it
 from .flash_checks import (
     KVCACHE_OPTIONAL,
@@ -92,6 +94,7 @@ class FlashAttention:
         self._numbers = itertools.count()  # never restarts (a reset racing a call cannot reuse a number)
         self._no_versions_logged = False
         self._captured: list = []  # plans made during CUDA-graph capture: kept for good (configure() keeps them)
+        self._extend = ExtendCalls(self, lambda t: _capturing(t))  # ragged queries over the paged cache
         self.configure(prefill, decode, **select_options)
 
     @property
@@ -101,7 +104,8 @@ class FlashAttention:
 
     def configure(self, prefill: str | None = None, decode: str | None = None, **select_options) -> None:
         """Options of the selection these functions run (``attnsel.select``'s: policy, mode, priorities, timeout,
-        cache_dir, use_cache); prefill/decode: "auto" or a backend name (default: the environment, else auto).
+        cache_dir, use_cache, extend: "auto" or a backend name for flash_extend's calls); prefill/decode: "auto" or a
+        backend name (default: the environment, else auto).
         Forgets earlier selections and plans."""
         self._options.clear()
         self._options.update(select_options)
@@ -115,6 +119,7 @@ class FlashAttention:
         self._specs.clear()
         self._calls.clear()
         self._plans.clear()
+        self._extend.clear()
 
     def selection_for(self, spec: AttentionSpec, device: torch.device | str, mode: str | None = None) -> Selection:
         """The Selection for a spec on a device (mode None: the configured one; "graph": see graph_selection), made
@@ -123,12 +128,14 @@ class FlashAttention:
         sel = self._selections.get(key)
         if sel is None:
             env = Settings.from_env()
-            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, **self._options,
+            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, "extend": env.extend_backend,
+                    **self._options,
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
-            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
-            log.info("attnsel for %s on %s (%s): prefill: %s, decode: %s", spec.describe(), device, sel.mode,
-                     sel.prefill, sel.decode)
+            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), opts.pop("extend"), device=str(device),
+                         **opts)
+            log.info("attnsel for %s on %s (%s): prefill: %s, decode: %s, extend: %s", spec.describe(), device,
+                     sel.mode, sel.prefill, sel.decode, sel.extend)
             self._selections[key] = sel
         return sel  # keyed by the device object as given (str or torch.device): no str() per call
 
@@ -234,12 +241,18 @@ class FlashAttention:
                                seqused_q=None, seqused_k=None, softmax_scale=None, causal=False, qv=None,
                                q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
                                softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
-                               return_attn_probs=False, sinks=None):
+                               return_attn_probs=False, sinks=None, page_table=None):
         """Ragged attention, FA3's signature: q ``[total_q, H, D]``, k/v ``[total_k, KVH, D]`` (bf16/fp16/fp32),
         cu_seqlens_q/k int32 ``[batch + 1]`` on q's device, max_seqlen_q/k host ints (upper bounds are fine).
         Causal masking is bottom-right aligned (sequences with fewer queries than keys). Returns out
         ``[total_q, H, D]``. Not served (UnsupportedArgument when not default): seqused_q/k, qv, q/k/v_descale,
-        attention_chunk, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs."""
+        attention_chunk, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs. With ``page_table``
+        (FA3's paged varlen form) k/v are paged caches and ``seqused_k`` their lengths: ``flash_extend``."""
+        if page_table is not None:
+            return self._extend.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             seqused_q, seqused_k, softmax_scale, causal, qv, q_descale, k_descale,
+                                             v_descale, window_size, attention_chunk, softcap, num_splits, pack_gqa,
+                                             deterministic, sm_margin, return_attn_probs, sinks, page_table)
         try:
             if (seqused_q is not None or seqused_k is not None or qv is not None or q_descale is not None
                     or k_descale is not None or v_descale is not None or attention_chunk != 0 or num_splits != 1
@@ -310,19 +323,18 @@ class FlashAttention:
         ``[batch, 1, KVH, D]`` the new token is written into the cache at position cache_seqlens (in place, as FA3
         does; strided caches too, e.g. kv[:, 0] / kv[:, 1]) and attended to; without them the query attends to the
         first cache_seqlens tokens. Returns out ``[batch, 1, H, D]``. ``causal`` and window_size's right bound have no
-        effect with one query token. Not served (UnsupportedArgument when not default): qv, rotary_cos/sin/seqlens,
-        cache_batch_idx, cache_leftpad, cu_seqlens_q, cu_seqlens_k_new, q_descale, attention_chunk,
-        rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse; a cache without
-        page_table; more than one query or new token per sequence."""
+        effect with one query token. More than one query or new token per sequence, and the varlen form
+        (cu_seqlens_q, cu_seqlens_k_new): ``flash_extend``. Not served (UnsupportedArgument when not default): qv,
+        rotary_cos/sin/seqlens, cache_batch_idx, cache_leftpad, q_descale, attention_chunk, rotary_interleaved,
+        scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse; a cache without page_table."""
         try:
             if (qv is not None or rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
-                    or cache_leftpad is not None or cu_seqlens_q is not None or cu_seqlens_k_new is not None
-                    or rotary_seqlens is not None or q_descale is not None or attention_chunk != 0
-                    or not rotary_interleaved or scheduler_metadata is not None or num_splits != 0
-                    or pack_gqa is not None or sm_margin != 0 or return_softmax_lse):
+                    or cache_leftpad is not None or rotary_seqlens is not None or q_descale is not None
+                    or attention_chunk != 0 or not rotary_interleaved or scheduler_metadata is not None
+                    or num_splits != 0 or pack_gqa is not None or sm_margin != 0 or return_softmax_lse):
                 given = dict(qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                             cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
-                             rotary_seqlens=rotary_seqlens, q_descale=q_descale, scheduler_metadata=scheduler_metadata)
+                             cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
+                             scheduler_metadata=scheduler_metadata)
                 given = {n: x for n, x in given.items() if x is not None}
                 given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0),
                                                    ("rotary_interleaved", rotary_interleaved, True),
@@ -338,6 +350,11 @@ class FlashAttention:
             if cache_seqlens is None:
                 raise ValueError(f"attnsel.{func}: cache_seqlens is required (tokens already in each sequence's cache)")
             qs, ks, ts = q.shape, k_cache.shape, page_table.shape  # each read once: a shape costs ~0.2 us
+            if (cu_seqlens_q is not None or len(qs) != 4 or qs[1] != 1
+                    or k is not None and (cu_seqlens_k_new is not None or k.dim() != 4 or k.shape[1] != 1)):
+                return self._extend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cu_seqlens_q,
+                                                 cu_seqlens_k_new, max_seqlen_q, k_descale, v_descale,
+                                                 softmax_scale, causal, window_size, softcap, sinks)
             key = found = None
             if (k is None and v is None and k_descale is None and v_descale is None and len(qs) == 4 and len(ks) == 4
                     and len(ts) == 2 and ts[0] == qs[0] and v_cache.shape == ks

@@ -121,15 +121,13 @@ def varlen_masks(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, causal, window_siz
 
 def kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks, ts, k_descale, v_descale, causal,
                    window_size, softcap, sinks) -> tuple:
-    """flash_attn_with_kvcache's argument checks for a call whose facts were not seen before, or that writes new
-    tokens or reads an fp8 cache (checked every call): (cache_seqlens as a tensor, the run's descale kwargs, its sinks
+    """flash_attn_with_kvcache's decode checks (q ``[batch, 1, H, D]``, at most one new token per sequence: flash_api
+    sends other calls to flash_extend) for a call whose facts were not seen before, or that writes new tokens or reads
+    an fp8 cache (checked every call): (cache_seqlens as a tensor, the run's descale kwargs, its sinks
     kwargs, the spec's sliding_window and softcap); raises on the first bad argument."""
     func = "flash_attn_with_kvcache"
     non_tensor(func, KVCACHE_OPTIONAL, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                page_table=page_table, k_descale=k_descale, v_descale=v_descale, sinks=sinks)
-    if len(qs) != 4 or qs[1] != 1:
-        raise UnsupportedArgument(f"attnsel.{func}: q must be [batch, 1, heads, head_dim] (one query token per "
-                                  f"sequence), got {tuple(qs)}; use flash_attn_varlen_func for more")
     if len(ks) != 4 or v_cache.shape != ks or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"attnsel.{func}: k_cache and v_cache must both be [num_pages, page_size, kv_heads, "
                          f"head_dim] of one dtype, got {tuple(ks)} {k_cache.dtype} and "
@@ -144,26 +142,7 @@ def kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks,
     batch = qs[0]
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
-    scales = {}
-    if k_cache.dtype != q.dtype:
-        if k_cache.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"attnsel.{func}: the KV cache's dtype {k_cache.dtype} differs from q's {q.dtype}; "
-                             "allowed: q's dtype, or torch.float8_e4m3fn with k_descale/v_descale")
-        if k_descale is None or v_descale is None or k_descale.numel() != 1 or v_descale.numel() != 1:
-            raise UnsupportedArgument(
-                f"attnsel.{func}: a {k_cache.dtype} cache needs k_descale and v_descale of one element each "
-                f"(per-tensor scales); got k_descale={show(k_descale)}, v_descale={show(v_descale)}")
-        if k is not None:
-            unsupported(func, {"k": k, "v": v})  # quantising new tokens into an fp8 cache: write them yourself
-        scales = {"k_scale": scale_tensor(k_descale), "v_scale": scale_tensor(v_descale)}
-    elif k_cache.dtype == torch.float8_e4m3fn:  # q fp8 too
-        raise ValueError(f"attnsel.{func}: q's dtype {q.dtype} is not served: q must be bfloat16, float16 or "
-                         "float32 (an fp8 cache takes q in one of them with k_descale/v_descale)")
-    elif k_descale is not None or v_descale is not None:
-        given = ", ".join(f"{n}={show(x)}" for n, x in (("k_descale", k_descale), ("v_descale", v_descale))
-                          if x is not None)
-        raise UnsupportedArgument(f"attnsel.{func}: {given}: descale factors apply only to a torch.float8_e4m3fn "
-                                  f"cache; this cache is {k_cache.dtype} (leave them None)")
+    scales = cache_scales(func, q, k_cache, k, v, k_descale, v_descale)
     if k is not None and (k.device != q.device or v.device != q.device):  # before anything is written
         raise ValueError(f"attnsel.{func}: k and v (new tokens) must be on q's device {q.device}, got {k.device} "
                          f"and {v.device}")
@@ -177,3 +156,28 @@ def kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks,
     _, window, cap = (True, None, None) if window_size == (-1, -1) and softcap == 0.0 else spec_masks(
         func, causal, window_size, softcap, one_query=True)
     return cache_seqlens, scales, extra, window, cap
+
+
+def cache_scales(func: str, q, k_cache, k, v, k_descale, v_descale) -> dict:
+    """The run's descale kwargs for the cache's dtype: none for a cache in q's dtype (descales given: refused), one-
+    element k_scale/v_scale for a float8_e4m3fn cache (new tokens k/v into it: refused); raises on anything else."""
+    if k_cache.dtype != q.dtype:
+        if k_cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"attnsel.{func}: the KV cache's dtype {k_cache.dtype} differs from q's {q.dtype}; "
+                             "allowed: q's dtype, or torch.float8_e4m3fn with k_descale/v_descale")
+        if k_descale is None or v_descale is None or k_descale.numel() != 1 or v_descale.numel() != 1:
+            raise UnsupportedArgument(
+                f"attnsel.{func}: a {k_cache.dtype} cache needs k_descale and v_descale of one element each "
+                f"(per-tensor scales); got k_descale={show(k_descale)}, v_descale={show(v_descale)}")
+        if k is not None:
+            unsupported(func, {"k": k, "v": v})  # quantising new tokens into an fp8 cache: write them yourself
+        return {"k_scale": scale_tensor(k_descale), "v_scale": scale_tensor(v_descale)}
+    if k_cache.dtype == torch.float8_e4m3fn:  # q fp8 too
+        raise ValueError(f"attnsel.{func}: q's dtype {q.dtype} is not served: q must be bfloat16, float16 or "
+                         "float32 (an fp8 cache takes q in one of them with k_descale/v_descale)")
+    if k_descale is not None or v_descale is not None:
+        given = ", ".join(f"{n}={show(x)}" for n, x in (("k_descale", k_descale), ("v_descale", v_descale))
+                          if x is not None)
+        raise UnsupportedArgument(f"attnsel.{func}: {given}: descale factors apply only to a torch.float8_e4m3fn "
+                                  f"cache; this cache is {k_cache.dtype} (leave them None)")
+    return {}

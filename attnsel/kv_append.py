@@ -13,8 +13,8 @@ import torch
 
 
 class Slots(NamedTuple):
-    """Where each sequence's new token goes: its page id and offset in the page, and both as one index into the
-    cache viewed as ``[num_pages * page_size, kv_heads, head_dim]`` (int64 ``[batch]`` each, on the device)."""
+    """Where each new token goes: its page id and offset in the page, and both as one index into the cache viewed as
+    ``[num_pages * page_size, kv_heads, head_dim]`` (int64, one per new token, on the device)."""
     flat: torch.Tensor
     page: torch.Tensor
     offset: torch.Tensor
@@ -29,8 +29,25 @@ def plan_slots(page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size:
     return Slots(page * page_size + offset, page, offset)
 
 
+def plan_new_slots(page_table: torch.Tensor, cache_seqlens: torch.Tensor, cu_new: torch.Tensor, total: int,
+                   page_size: int) -> Slots:
+    """The slots of ragged new tokens: rows ``cu_new[b]`` to ``cu_new[b + 1]`` of the ``total`` new ones belong to
+    sequence b and go to its positions ``cache_seqlens[b]``, ``+ 1``, ... (made once per plan; no host sync). Rows
+    past ``cu_new[batch]`` and positions past the table are clamped into it (the caller refuses both before writing,
+    outside CUDA-graph capture)."""
+    batch, width = page_table.shape
+    token = torch.arange(total, device=page_table.device)
+    cu = cu_new.long()
+    row = torch.searchsorted(cu[1:], token, right=True).clamp_(max=max(batch - 1, 0))
+    pos = (cache_seqlens.long()[row] + token - cu[row]).clamp_(min=0)
+    page = page_table[row, (pos // page_size).clamp(max=width - 1)].long()
+    offset = pos % page_size
+    return Slots(page * page_size + offset, page, offset)
+
+
 def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Slots) -> None:
-    """k/v ``[batch, 1, kv_heads, head_dim]`` into the caches at their slots, in place."""
+    """k/v ``[batch, 1, kv_heads, head_dim]`` (one token per sequence) or ``[tokens, kv_heads, head_dim]`` (the
+    slots of plan_new_slots) into the caches at their slots, in place."""
     batch = slots.flat.shape[0]
     for cache, new in ((k_cache, k), (v_cache, v)):
         rows = new.reshape(batch, cache.shape[2], cache.shape[3])

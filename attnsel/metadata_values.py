@@ -4,10 +4,10 @@ By default attnsel trusts the values in ``cu_seqlens``, ``seq_lens`` and ``page_
 device-to-host copy per plan, and an engine's step loop must not sync). A wrong value is not harmless, though:
 offsets that run backwards or past q, a length past the page table or a page id past the cache make a kernel read
 another sequence's memory (silently wrong output) or fault (a CUDA context that is dead for the whole process). With
-the variable set, every ``Selection.plan_prefill`` / ``plan_decode`` (and the FA-compatible calls, which plan
-through them) copies the metadata to the host once per plan and raises ValueError naming the argument, the row and
-what is allowed; the run function then compares the tensors it gets with what the plan read (host ints, no sync per
-run). Plans made during CUDA-graph capture are not checked (a copy to the host cannot be captured).
+the variable set, every ``Selection.plan_prefill`` / ``plan_decode`` / ``plan_extend`` (and the FA-compatible calls,
+which plan through them) copies the metadata to the host once per plan and raises ValueError naming the argument,
+the row and what is allowed; the run function then compares the tensors it gets with what the plan read (host ints,
+no sync per run). Plans made during CUDA-graph capture are not checked (a copy to the host cannot be captured).
 """
 from __future__ import annotations
 
@@ -65,10 +65,12 @@ def check_prefill(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_se
 
 
 def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,
-                 page_size: int, window: int | None = None, longest: int | None = None) -> int | None:
+                 page_size: int, window: int | None = None, longest: int | None = None,
+                 q_lens: list[int] | None = None) -> int | None:
     """The values of a decode plan's metadata (page_table int32 ``[batch, max_pages]``, seq_lens int32 ``[batch]``,
     tokens in each cache, the new one included); None during capture. ``window``: the spec's sliding window, whose
-    rows read only the pages from the one holding token ``len - window`` (engines free the pages before it, -1).
+    rows read only the pages from the one holding token ``len - q_len + 1 - window``, the first key the row's first
+    query sees (engines free the pages before it, -1); ``q_lens``: extend's queries per row (decode: one each).
     Returns the pages the caches must hold (one more than the largest page id a row reads), or None when nothing
     was read (meta tensors, capture). ``longest``: the plan's exact longest row (the dispatch's ragged route reads
     it), checked against seq_lens. ValueError naming the first wrong value."""
@@ -93,7 +95,8 @@ def check_decode(page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: 
     if any(used):
         rows = page_table[:, :max(used)].tolist()
         for b, (row, k) in enumerate(zip(rows, used)):
-            first = max(0, lens[b] - window) // page_size if window else 0
+            lq = max(q_lens[b], 1) if q_lens else 1  # the row's first query sees keys from lens - lq + 1 - window
+            first = max(0, lens[b] - lq + 1 - window) // page_size if window else 0
             for j, page in enumerate(row[first:k], start=first):
                 if page < 0:
                     raise ValueError(f"page_table[{b}, {j}] is {page} (read by seq_lens[{b}]={lens[b]}); allowed: "
@@ -107,3 +110,26 @@ def check_decode_run(pages_needed: int, k_cache: torch.Tensor) -> None:
     if k_cache.shape[0] < pages_needed:
         raise ValueError(f"page_table reads page {pages_needed - 1} but k_cache/v_cache hold {k_cache.shape[0]} "
                          f"pages; allowed: page ids < k_cache.shape[0] (${ENV} found this)")
+
+
+def check_extend(cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int,
+                 max_seq_len: int, page_size: int, total_q: int | None, window: int | None = None) -> int | None:
+    """The values of an extend plan's metadata: the query offsets (each row at most ``max_seqlen_q`` queries, no
+    more than its context unless the context is 0, a padding row), the contexts and page ids as decode's (with a
+    sliding ``window``, from the page its first query's window starts in). Returns the pages the caches must hold,
+    as check_decode; None when nothing was read (meta tensors, capture). ValueError naming the first wrong value."""
+    if _unreadable(cu_seqlens_q):
+        return None
+    tq = _offsets("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+    if total_q is not None and total_q < tq:
+        raise ValueError(f"cu_seqlens_q[-1] is {tq}, past q's {total_q} tokens (total_q); allowed: offsets within "
+                         "q's tokens")
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, n in enumerate(lens):
+        lq = cu[b + 1] - cu[b]
+        if n and lq > n:
+            raise ValueError(f"row {b} has {lq} queries (cu_seqlens_q) but seq_lens[{b}] is {n}; allowed: seq_lens "
+                             "counts the whole context, the row's new tokens included (>= its queries), or 0 for a "
+                             "padding row")
+    return check_decode(page_table, seq_lens, max_seq_len, page_size, window,
+                        q_lens=[cu[b + 1] - cu[b] for b in range(len(lens))])

@@ -178,7 +178,7 @@ def choice_line(sel: Selection, phase: str) -> str:
 
 def report_json(sel: Selection) -> dict:
     out = sel.to_json()
-    for phase in ("prefill", "decode"):
+    for phase in sel.phases:
         out[phase]["candidates"] = [
             {k: c[k] for k in ("name", "status", "reason", "max_abs_err", "tolerance", "time_s", "score_us",
                                "timings_us", "from_cache")} for c in out[phase]["candidates"]]

@@ -40,7 +40,7 @@ def _check_features(spec: AttentionSpec, kwargs: dict, phase: str) -> None:
                          f"{_describe(sinks)}")
     if not spec.sinks and sinks is not None:
         raise ValueError("sinks: given, but the spec has no attention sinks (AttentionSpec(sinks=True))")
-    scaled = spec.kv_dtype is not None and phase == "decode"  # prefill takes k/v in spec.dtype either way
+    scaled = spec.kv_dtype is not None and phase != "prefill"  # prefill takes k/v in spec.dtype either way
     for name in ("k_scale", "v_scale"):
         scale = kwargs.get(name)
         if scaled and not (isinstance(scale, torch.Tensor) and scale.numel() == 1
@@ -84,6 +84,19 @@ def check_decode_metadata(page_table, seq_lens, max_seq_len) -> None:
                          f"{seq_lens.device} (one row per sequence of seq_lens), got {_describe(page_table)}")
     if max_seq_len is not None and (not _host_int(max_seq_len) or max_seq_len < 0):
         raise ValueError(f"max_seq_len: expected None or a non-negative Python int, got {max_seq_len!r}")
+
+
+def check_extend_metadata(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len) -> None:
+    """Host-side checks of an extend plan's arguments (shapes, dtypes, devices; never their values: no sync)."""
+    check_decode_metadata(page_table, seq_lens, max_seq_len)
+    batch = seq_lens.shape[0]
+    if (not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype not in
+            _INDEX_DTYPES or cu_seqlens_q.shape[0] != batch + 1 or cu_seqlens_q.device != seq_lens.device):
+        raise ValueError(f"cu_seqlens_q: expected a 1-D int32 tensor of {batch + 1} offsets (batch + 1, one row per "
+                         f"sequence of seq_lens) on {seq_lens.device}, got {_describe(cu_seqlens_q)}")
+    if not _host_int(max_seqlen_q) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q: expected a non-negative Python int (a host-side bound on each row's "
+                         f"queries), got {max_seqlen_q!r}")
 
 
 def check_tensor(arg: str, t, shape: tuple, dtype: torch.dtype, device: int) -> tuple:
@@ -162,9 +175,34 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
     return checked
 
 
+def checked_extend(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
+                   pages_needed: int | None = None) -> RunFn:
+    """run(q, k_cache, v_cache, **features) of an extend plan with the tensors checked against the spec and plan (no
+    sync): q ``[total_q, heads, head_dim]`` (any number of rows when ``total_q`` is None), the caches as decode's
+    (``pages_needed`` too)."""
+    hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
+    dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
+    plain = not (spec.sinks or spec.kv_dtype)
+
+    def checked(q, k_cache, v_cache, **kwargs):
+        check_tensor("q", q, (total_q, hq, d), dt, device)
+        pages = check_tensor("k_cache", k_cache, (None, ps, hk, d), kdt, device)[0]
+        check_tensor("v_cache", v_cache, (pages, ps, hk, d), kdt, device)
+        if pages == 0:
+            raise ValueError(f"k_cache/v_cache hold 0 pages ({list(k_cache.shape)}); allowed: at least one page")
+        if pages_needed is not None:
+            metadata_values.check_decode_run(pages_needed, k_cache)
+        if kwargs or not plain:
+            _check_features(spec, kwargs, "extend")
+        return run(q, k_cache, v_cache, **kwargs)
+
+    _keep_current(checked, run)
+    return checked
+
+
 def _pages_checked(run: RunFn, pages_needed: int) -> RunFn:
-    """An unchecked decode run (the FA-compatible calls check the rest) that still holds the caches to the pages its
-    value-checked plan reads (``ATTNSEL_CHECK_METADATA``)."""
+    """An unchecked decode or extend run (the FA-compatible calls check the rest) that still holds the caches to the
+    pages its value-checked plan reads (``ATTNSEL_CHECK_METADATA``)."""
     def check_pages(k_cache):
         metadata_values.check_decode_run(pages_needed, k_cache)
 

@@ -22,12 +22,15 @@ from .run_checks import (
     _host_int,
     _pages_checked,
     check_decode_metadata,
+    check_extend_metadata,
     check_prefill_metadata,
     checked_decode,
+    checked_extend,
     checked_prefill,
     viewed_b1hd,
 )
 from .selector import Candidate, one_line
+from .validate.extend_grid import extend_key
 from .settings import Settings
 from .spec import AttentionSpec
 
@@ -44,6 +47,7 @@ MODES = ("eager", "graph")
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
     "prefill": ("fa3", "flashinfer", "fa3_split", "fa3_packgqa", "triton", "torch"),
     "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "torch"),
+    "extend": ("fa3", "flashinfer", "triton", "fa3_split", "fa3_packgqa", "torch"),
 }
 
 
@@ -103,6 +107,10 @@ class Selection:
         return self.phases["decode"].backend
 
     @property
+    def extend(self) -> str:
+        return self.phases["extend"].backend
+
+    @property
     def prefill_source(self) -> Source:
         return self.phases["prefill"].source
 
@@ -139,6 +147,14 @@ class Selection:
         if table is None:
             return self.decode
         return table.backend_for((batch,) if len(table.axes) == 1 else (batch, context), longest)
+
+    def extend_backend_for(self, requests: int, q_len: int, context: int) -> str:
+        """The backend that serves an extend batch of this shape (mean query tokens and mean context per request;
+        mode "graph": the number of requests alone decides)."""
+        table = self.phases["extend"].table
+        if table is None:
+            return self.extend
+        return table.backend_for((requests,) if len(table.axes) == 1 else (requests, q_len, context))
 
     def plan_prefill(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, total_q: int | None = None, *, total_k: int | None = None,
@@ -233,6 +249,47 @@ class Selection:
             return run if pages_needed is None else _pages_checked(run, pages_needed)
         return checked_decode(run, self.spec, seq_lens.get_device(), batch, b1hd, pages_needed)
 
+    def plan_extend(self, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                    max_seqlen_q: int, max_seq_len: int | None = None, total_q: int | None = None,
+                    context_tokens: int | None = None, *, checked: bool = True) -> RunFn:
+        """Plan ragged queries over the paged cache (chunked prefill over a cached prefix, a prompt-cache hit,
+        multi-token decode, speculative verify) on the backend its shape dispatches to; returns ``run(q, k_cache,
+        v_cache)`` with q ``[total_q, heads, head_dim]`` (shapes and semantics: backends.Backend, plan_extend).
+        ``seq_lens`` counts each row's whole context, its new tokens included (already in the cache). No device
+        sync: the bucket is (requests, mean query tokens, mean context) from host ints: ``total_q`` (the batch's
+        query tokens; default requests x ``max_seqlen_q``) and ``context_tokens`` (the contexts summed; default
+        requests x ``max_seq_len``, else the page table's reach). ``max_seq_len`` bounds every row's context (default:
+        what the page table can hold). The run function checks q (its rows against ``total_q`` when given) and the
+        caches against the spec; ``checked=False``: the backend's run itself (under ATTNSEL_CHECK_METADATA=1 both
+        also refuse caches with fewer pages than the rows read). Keep the run function alive as long as any CUDA
+        graph that captured it may be replayed."""
+        check_extend_metadata(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len)
+        for arg, value, what in (("total_q", total_q, "q's rows: the batch's query tokens, padding included"),
+                                 ("context_tokens", context_tokens, "the requests' contexts summed")):
+            if value is not None and (not _host_int(value) or value < 0):  # a tensor would be read: a device sync
+                raise InvalidArgument(f"{arg}: expected None or a non-negative Python int ({what}), got {value!r}")
+        requests = seq_lens.shape[0]
+        bound = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
+        pages_needed = (metadata_values.check_extend(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound,
+                                                     self.spec.page_size, total_q, self.spec.sliding_window)
+                        if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
+        tokens = total_q if total_q is not None else requests * max_seqlen_q
+        context = context_tokens if context_tokens is not None else requests * bound
+        if not self.extend:
+            raise SelectionError(f"this selection cannot serve extend (ragged queries over the paged cache): "
+                                 f"{self.phases['extend'].error}", self)
+        key = extend_key(requests, tokens, context)
+        name = self.extend_backend_for(*key)
+        sample = None
+        if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
+            name, sample = self.canary.serve("extend", self.phases["extend"], key, None, name, seq_lens)
+        run = backends.get(name).plan_extend(self.spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound)
+        if sample is not None:
+            run = sample.wrap(run, (cu_seqlens_q, page_table, seq_lens), bound)
+        if not checked:
+            return run if pages_needed is None else _pages_checked(run, pages_needed)
+        return checked_extend(run, self.spec, seq_lens.get_device(), total_q, pages_needed)
+
     def to_json(self) -> dict:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,
                 "mode": self.mode, "device": self.device, "spec": self.spec.to_dict(), "stats": self.stats,
@@ -275,18 +332,21 @@ def _check_choice(label: str, value: str, allowed) -> None:
         raise InvalidArgument(f"{label} must be one of {', '.join(allowed)}, got {value!r}")
 
 
-def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, policy: str = "measure",
-           mode: str = "eager", prefill_priority: list[str] | None = None, decode_priority: list[str] | None = None,
+def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, extend: str = AUTO, *,
+           policy: str = "measure", mode: str = "eager", prefill_priority: list[str] | None = None,
+           decode_priority: list[str] | None = None, extend_priority: list[str] | None = None,
            timeout: float | None = None, cache_dir: str | None = None, use_cache: bool = True,
            device: str | None = None, budget_s: float | None = None, canary_every: int | None = None) -> Selection:
-    """Pick the backends per phase. ``prefill``/``decode``: "auto" or a backend name (validated, never replaced).
+    """Pick the backends per phase. ``prefill``/``decode``/``extend``: "auto" or a backend name (validated, never
+    replaced). extend: ragged queries over the paged cache (Selection.plan_extend).
 
     policy "measure" times every valid candidate of an automatic phase on a grid of shape buckets in ``mode``
     ("eager" launches or CUDA "graph" replays) and keeps a dispatch table: per bucket the fastest (within 1%: the
     earlier in priority order); ``Selection.plan_prefill``/``plan_decode`` then pick the backend from the batch's
     shape. "priority" takes the first valid candidate for every shape; an explicit name serves every shape. In mode
     "graph" every candidate must also be captured and replayed correctly in a CUDA graph. ``budget_s``: seconds of
-    bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 50; a tight budget gives a coarser grid).
+    bucket timing per selection (default $ATTNSEL_TIMING_BUDGET_S or 75, shared by the timed phases; a tight budget
+    gives a coarser grid).
     With torch.distributed initialised, rank 0 decides and every rank gets the same Selection.
     ``canary_every``: N > 0 recomputes one planned batch in N (per phase and backend) by the float32 reference while
     serving and demotes a backend that fails the check (module canary; the Selection's ``canary``); 0 off; None
@@ -310,15 +370,17 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, *, poli
     budget_s = settings.timing_budget_s if budget_s is None else budget_s
     device = _checked_device(device or default_device())
     every = settings.canary if canary_every is None else every_from(canary_every)
-    choices = {"prefill": prefill, "decode": decode}
+    choices = {"prefill": prefill, "decode": decode, "extend": extend}
     for choice in choices.values():
         if choice != AUTO:
             backends.get(choice)
     orders = {"prefill": priority_list("prefill", prefill_priority),
-              "decode": priority_list("decode", decode_priority)}
+              "decode": priority_list("decode", decode_priority),
+              "extend": priority_list("extend", extend_priority)}
     # What decides the answer; timeout, budget and cache only shape rank 0's work (each rank may set its own).
-    question = {"spec": spec, "prefill": prefill, "decode": decode, "prefill_priority": orders["prefill"],
-                "decode_priority": orders["decode"], "policy": policy, "mode": mode, "device": device_kind(device)}
+    question = {"spec": spec, "prefill": prefill, "decode": decode, "extend": extend,
+                "prefill_priority": orders["prefill"], "decode_priority": orders["decode"],
+                "extend_priority": orders["extend"], "policy": policy, "mode": mode, "device": device_kind(device)}
     selection = agree(lambda: _decide(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
                                       budget_s), question)
     if not every:
@@ -364,7 +426,8 @@ def _decide(spec: AttentionSpec, choices: dict, orders: dict, policy: str, mode:
         try:
             chosen = _choose(phase, choices[phase], ranked, out.tables.get(phase))
         except SelectionError as exc:
-            failures.append(str(exc))
+            if phase != "extend" or source == "explicit":  # extend is optional unless asked for by name
+                failures.append(str(exc))
             phases[phase] = PhaseChoice("", source, ranked, None, str(exc))
             continue
         chosen.status = "selected"

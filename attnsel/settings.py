@@ -86,12 +86,14 @@ class Settings:
 
     prefill_backend: str = _var("ATTNSEL_PREFILL_BACKEND", "auto", str, _BACKEND)
     decode_backend: str = _var("ATTNSEL_DECODE_BACKEND", "auto", str, _BACKEND)
+    extend_backend: str = _var("ATTNSEL_EXTEND_BACKEND", "auto", str, _BACKEND)
     backends: tuple[str, ...] = _var("ATTNSEL_BACKENDS", (), _plugins,
                                      "plugin backends as module:object entries separated by commas")
     cache_dir: str | None = _var("ATTNSEL_CACHE_DIR", None, str, "a directory for the result cache")
     validation_timeout_s: float = _seconds_var("ATTNSEL_VALIDATION_TIMEOUT", 600.0)  # per candidate, in the worker
     check_timeout_s: float = _seconds_var("ATTNSEL_CHECK_TIMEOUT_S", 10.0)  # a plugin's checks in this process
-    timing_budget_s: float = _seconds_var("ATTNSEL_TIMING_BUDGET_S", 50.0)  # bucket timing per selection
+    timing_budget_s: float = _seconds_var("ATTNSEL_TIMING_BUDGET_S", 75.0)  # bucket timing per selection,
+    # shared by the timed phases (25 s each of prefill, decode and extend)
     flashinfer_workspace_mb: int = _var("ATTNSEL_FLASHINFER_WORKSPACE_MB", 128, _whole(8),
                                         "a whole number of MiB, at least 8 (default 128)")
     check_metadata: bool = _var("ATTNSEL_CHECK_METADATA", False, _flag,

@@ -17,7 +17,8 @@ from attnsel.validate import runner
 SPEC = AttentionSpec(4, 2, 64, "fp16")
 # Two valid candidates that validate in a blink (torch and a copy of it under another name): the cache's behaviour
 # does not depend on which backends are validated, and Triton's interpreter would take most of these tests' time.
-PAIR = dict(prefill_priority=["torch_copy", "torch"], decode_priority=["torch_copy", "torch"])
+PAIR = dict(prefill_priority=["torch_copy", "torch"], decode_priority=["torch_copy", "torch"],
+            extend_priority=["torch_copy", "torch"])
 
 
 @pytest.fixture
@@ -91,7 +92,7 @@ def test_corrupt_file_is_logged_ignored_and_rewritten(content, caplog):
     if content:  # once: the run reads the file, then re-reads it under the lock to write (was logged twice)
         assert caplog.text.count(f"cache {cache.path}") == 1, caplog.text
     data = json.loads(cache.path.read_text())
-    assert data["schema"] == SCHEMA and len(data["entries"]) == 4  # two backends, two phases
+    assert data["schema"] == SCHEMA and len(data["entries"]) == 5  # two backends, two phases; extend: torch (torch_copy has no plan_extend)
 
 
 @pytest.mark.usefixtures("pair")
@@ -104,7 +105,7 @@ def test_a_file_of_bytes_that_are_no_text_is_ignored_and_rewritten(caplog):
     with caplog.at_level(logging.WARNING):
         assert select(SPEC, policy="priority", **PAIR).cache == "miss"
     assert "not UTF-8" in caplog.text
-    assert len(json.loads(cache.path.read_text())["entries"]) == 4
+    assert len(json.loads(cache.path.read_text())["entries"]) == 5
     cache.path.write_bytes(b"\xff")
     assert ResultCache().clear() == 0 and not cache.path.exists()
 
@@ -220,7 +221,7 @@ def test_no_cache_neither_reads_nor_writes():
 @pytest.mark.usefixtures("pair")
 def test_clear():
     select(SPEC, policy="priority", **PAIR)
-    assert ResultCache().clear() == 4
+    assert ResultCache().clear() == 5
     assert select(SPEC, policy="priority", **PAIR).cache == "miss"
 
 

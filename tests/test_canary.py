@@ -135,7 +135,7 @@ def test_canary_every_batch_detects_logs_counts_demotes_and_drops_the_verdict(la
     # attnsel report --json carries the canary when $ATTNSEL_CANARY asks for it (cache warm: no worker)
     capsys.readouterr()
     argv = ["report", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "bf16",
-            "--page-size", "4", "--prefill-backend", "torch", "--decode-backend", "torch"]
+            "--page-size", "4", "--prefill-backend", "torch", "--decode-backend", "torch", "--extend-backend", "torch"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ATTNSEL_CANARY", "100")
         assert main([*argv, "--json"]) == 0

@@ -12,7 +12,7 @@ from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.backends.torch_sdpa import TorchBackend
 from attnsel.selection import SelectionError
 from attnsel.spec import AttentionSpec
-from attnsel.validate import cases, spot, yardstick
+from attnsel.validate import cases, paged_cases, spot, yardstick
 from tests.fixtures import fault_numerics as faults
 
 CPU = torch.device("cpu")
@@ -69,7 +69,7 @@ def test_each_decode_trap_catches_the_old_decode(dtype, monkeypatch):
     unused slots once the sentinels point at a real page; without both traps it passes: the traps catch it."""
     spec = AttentionSpec(4, 2, 64, dtype, page_size=4)
     lengths = cases.decode_lengths
-    monkeypatch.setattr(cases, "decode_lengths", lambda s, d: ([n for n in lengths(s, d)[0] if n], 0))
+    monkeypatch.setattr(paged_cases, "decode_lengths", lambda s, d: ([n for n in lengths(s, d)[0] if n], 0))
     case = cases.decode_case(spec, CPU)
     assert judge(TORCH, spec, "decode", case)["status"] == "valid"
     result = judge(faults.OLD_TORCH, spec, "decode", case)

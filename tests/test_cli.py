@@ -73,8 +73,9 @@ def test_report_table_ends_with_the_two_choices(capsys, priority):
     code, out, _ = run(capsys, "report", "--config", LLAMA, "--policy", "priority", *priority)
     assert code == 0
     lines = out.strip().splitlines()
-    assert lines[-2].startswith("prefill: ") and lines[-2].endswith("(auto)")
-    assert lines[-1].startswith("decode: ") and lines[-1].endswith("(auto)")
+    assert lines[-3].startswith("prefill: ") and lines[-3].endswith("(auto)")
+    assert lines[-2].startswith("decode: ") and lines[-2].endswith("(auto)")
+    assert lines[-1].startswith("extend: ") and lines[-1].endswith("(auto)")
     assert "32/8 heads, head_dim 128, bf16" in out
     assert "cache: miss" in out
 
@@ -163,7 +164,7 @@ def test_explicit_backends_are_reported_as_explicit(capsys):
     code, out, _ = run(capsys, "select", *SMALL, "--llm_prefill_att_backend", "torch",
                        "--llm_decode_att_backend", "triton")
     assert code == 0
-    assert out.splitlines() == ["prefill: torch (explicit)", "decode: triton (explicit)"]
+    assert out.splitlines() == ["prefill: torch (explicit)", "decode: triton (explicit)", "extend: torch (auto)"]
 
 
 def test_console_script_on_a_cpu_machine(tmp_path):
@@ -174,7 +175,8 @@ def test_console_script_on_a_cpu_machine(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     if "CPU" in proc.stdout.splitlines()[0]:
-        assert proc.stdout.strip().splitlines()[-2:] == ["prefill: torch (auto)", "decode: torch (auto)"]
+        assert proc.stdout.strip().splitlines()[-3:] == ["prefill: torch (auto)", "decode: torch (auto)",
+                                                         "extend: torch (auto)"]
         assert "no CUDA device" in proc.stdout
         # the legend explains what is shown: blank times (torch alone is valid: not timed), the check time of the
         # wide layout; no dispatch tables, no HBM (a newcomer read those as missing output)
@@ -187,16 +189,16 @@ def test_cache_commands(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # one table row per entry
     run(capsys, "report", *SMALL, "--policy", "priority")
     code, out, _ = run(capsys, "cache", "show")
-    assert code == 0 and "4 entries" in " ".join(out.split())
+    assert code == 0 and "6 entries" in " ".join(out.split())  # triton, torch x prefill, decode, extend
     assert "4/2 heads, head_dim 64, fp16, page 16" in " ".join(out.split())  # the spec in words
     run(capsys, "report", *SMALL, "--sliding-window", "8", "--policy", "priority")
     code, out, _ = run(capsys, "cache", "show")
     words = " ".join(out.split())  # the windowed spec's entries are told apart from the plain ones
-    assert "8 entries" in words and "sliding window 8" in words
+    assert "12 entries" in words and "sliding window 8" in words
     run(capsys, "cache", "clear")
     run(capsys, "report", *SMALL, "--policy", "priority")
     code, out, _ = run(capsys, "cache", "clear")
-    assert code == 0 and out.startswith("removed 4 entries")
+    assert code == 0 and out.startswith("removed 6 entries")
 
 
 # ---- configs with several layer kinds; errors that name their source; --version; -q --------------------------------
@@ -227,8 +229,8 @@ def test_select_and_report_label_each_layer_kind(capsys, priority):
     code, out, _ = run(capsys, "select", "--config", str(CONFIGS / "gemma-3-1b.json"), "--policy", "priority",
                        "--device", "cpu", *priority)
     assert code == 0
-    assert [line.split(": prefill")[0].split(": decode")[0] for line in out.splitlines()] == [
-        "sliding_attention (22 layers)"] * 2 + ["full_attention (4 layers)"] * 2
+    assert [line.split(": ")[0] for line in out.splitlines()] == [
+        "sliding_attention (22 layers)"] * 3 + ["full_attention (4 layers)"] * 3
     assert re.fullmatch(r"sliding_attention \(22 layers\): prefill: \w+ \(auto\)", out.splitlines()[0])
     code, out, _ = run(capsys, "report", "--config", str(CONFIGS / "gemma-3-1b.json"), "--policy", "priority",
                        "--device", "cpu", *priority)
@@ -289,7 +291,7 @@ def test_flags_override_the_config_and_config_dir(capsys, tmp_path):
     code, out, err = run(capsys, "select", "--config", str(tmp_path), "--dtype", "fp32", "--policy", "priority",
                          "--device", "cpu", "-q")
     assert code == 0, err
-    assert out.splitlines() == ["prefill: torch (auto)", "decode: torch (auto)"]
+    assert out.splitlines() == ["prefill: torch (auto)", "decode: torch (auto)", "extend: torch (auto)"]
 
 
 def test_environment_backend_error_names_the_variable(capsys, monkeypatch):
@@ -301,7 +303,7 @@ def test_environment_backend_error_names_the_variable(capsys, monkeypatch):
                            "fa3_split, flashinfer_fa2, flashinfer_fa3, flashinfer_xqa")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")  # the variable still sets the default; the flag wins
     code, out, _ = run(capsys, "select", *SMALL, "--llm_prefill_att_backend", "torch", "-q")
-    assert out.splitlines() == ["prefill: torch (explicit)", "decode: torch (explicit)"]
+    assert out.splitlines() == ["prefill: torch (explicit)", "decode: torch (explicit)", "extend: torch (auto)"]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")

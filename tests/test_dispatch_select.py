@@ -20,7 +20,7 @@ def test_select_builds_and_caches_the_tables(monkeypatch):
     cold = select(SPEC, prefill_priority=order, decode_priority=order)
     assert cold.cache == "miss" and len(calls) == 1
     tasks = calls[0][0]
-    assert tasks[-2:] == [(timing.TIMING_TASK, "prefill"), (timing.TIMING_TASK, "decode")]  # after validation
+    assert tasks[-3:] == [(timing.TIMING_TASK, p) for p in ("prefill", "decode", "extend")]  # after validation
     assert calls[0][1]["decode"]["backends"] == order
     assert cold.dispatch["decode"].backend_for((1, 300)) == "torch"
     assert cold.dispatch["decode"].backend_for((100, 300)) == "triton"
@@ -45,11 +45,11 @@ def test_priority_and_explicit_choices_have_no_table(monkeypatch):
     calls = []
     fake_worker(monkeypatch, {}, calls)
     sel = select(SPEC, policy="priority", prefill_priority=["triton", "torch"], decode_priority=["triton", "torch"])
-    assert sel.dispatch == {"prefill": None, "decode": None}
+    assert sel.dispatch == {"prefill": None, "decode": None, "extend": None}
     assert all(t[0] != timing.TIMING_TASK for t in calls[0][0])
     assert sel.decode_backend_for(1, 10) == sel.decode_backend_for(256, 10**5) == "triton"
-    explicit = select(SPEC, prefill="torch", decode="torch")
-    assert explicit.dispatch == {"prefill": None, "decode": None}
+    explicit = select(SPEC, prefill="torch", decode="torch", extend="torch")
+    assert explicit.dispatch == {"prefill": None, "decode": None, "extend": None}
     assert explicit.prefill_backend_for(64, 4096, 64) == "torch"
 
 
@@ -236,8 +236,8 @@ def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
     time again on every run (second review, 2026-12-05)."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:TORCH_COPY")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
-    both = dict(prefill_priority=["torch", "torch_copy"], decode_priority=["torch", "torch_copy"])
-    decode_only = dict(prefill="torch", decode_priority=["torch", "torch_copy"])
+    both = dict(prefill_priority=["torch", "torch_copy"], decode_priority=["torch", "torch_copy"], extend="torch")
+    decode_only = dict(prefill="torch", decode_priority=["torch", "torch_copy"], extend="torch")
 
     def stored():
         from attnsel.cache import ResultCache

@@ -180,7 +180,8 @@ def test_failed_start_is_retried_once_and_not_cached(tmp_path, monkeypatch):
     assert sel.stats["spawns"] == 2 and sel.stats["deaths"] == 1
     assert (sel.prefill, sel.decode) == ("torch", "torch")
     assert {k: e["status"] for k, e in _cached().items()} == {("torch", "prefill"): "valid",
-                                                              ("torch", "decode"): "valid"}
+                                                              ("torch", "decode"): "valid",
+                                                              ("torch", "extend"): "valid"}
 
 
 def test_case_that_cannot_be_built_blames_no_candidate(tmp_path, monkeypatch):

@@ -334,14 +334,6 @@ def test_kvcache_dispatches_on_the_real_context_not_the_page_tables_width(monkey
     assert got == ["rec_a", "rec_a", "rec_b", "rec_b"]
 
 
-def test_more_than_one_query_token_is_refused(monkeypatch):
-    monkeypatch.setattr(flash_api.default(), "selection_for", Recorder())
-    with pytest.raises(UnsupportedArgument, match="one query token"):
-        attnsel.flash_attn_with_kvcache(torch.zeros(1, 2, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
-                                        cache_seqlens=torch.tensor([3], dtype=torch.int32),
-                                        page_table=torch.zeros(1, 1, dtype=torch.int32))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_capture_varlen_after_first_call():

@@ -43,8 +43,11 @@ class Forced:
     def plan_decode(self, *args):
         return self._b.plan_decode(*args)
 
+    def plan_extend(self, *args):
+        return self._b.plan_extend(*args)
 
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
+
+@pytest.mark.parametrize("phase", ["decode", "prefill", "extend"])
 @pytest.mark.parametrize("name", sorted(set(BUILTINS) - OPT_IN_JIT))
 def test_graph_contract_check(name, phase):
     reason = _reason(name, phase)

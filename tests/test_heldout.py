@@ -112,7 +112,7 @@ def test_wave_batches_of_the_device_are_avoided():
 def test_bad_seed_and_phase_are_refused():
     with pytest.raises(ValueError, match="non-negative integer, got -1"):
         sample_cells(SPECS[0], "decode", "eager", -1, 1, 132)
-    with pytest.raises(ValueError, match="phase must be prefill or decode"):
+    with pytest.raises(ValueError, match="phase must be prefill, decode or extend"):
         sample_cells(SPECS[0], "verify", "eager", 1, 1, 132)
 
 
@@ -218,7 +218,9 @@ def test_summary_groups_specs_all_and_untimed_graph_batches():
     (["--heldout", "-3"], "--heldout takes the seed of the draw, a non-negative integer (e.g. --heldout 1); got '-3'"),
     (["--heldout", "1", "--cells", "0"], "--cells takes N or PREFILL,DECODE, whole numbers of cells from 1 to 1000 "
                                          "(e.g. --cells 8 or --cells 8,16); got '0'"),
-    (["--heldout", "1", "--cells", "4,8,2"], "got '4,8,2'"),
+    (["--heldout", "1", "--cells", "4,8,2,1"], "got '4,8,2,1'"),
+    (["--heldout", "1", "--phases", "prefill,verify"], "--phases takes phases from prefill, decode, extend"),
+    (["--phases", "extend"], "--phases sets the held-out phases: give --heldout SEED too"),
     (["--cells", "4"], "--cells sets the held-out cells per phase: give --heldout SEED too"),
     (["--heldout", "1", "--quick"], "--quick picks the fixed grid's smaller set; with --heldout set the cells with "
                                     "--cells"),
@@ -245,21 +247,24 @@ def test_heldout_flags_reach_run_heldout(capsys, monkeypatch):
     got = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_heldout, "run_heldout", lambda specs, names, mode, out, seed, counts, console, repeats,
-                        command: got.update(specs=specs, names=names, mode=mode, seed=seed, counts=counts,
-                                            repeats=repeats, command=command) or 0)
+                        command, phases: got.update(specs=specs, names=names, mode=mode, seed=seed, counts=counts,
+                                                    repeats=repeats, command=command, phases=phases) or 0)
     code, _, _ = run(capsys, "bench", "--heldout", "7", "--specs", "40/8,32/8/64/fp16, 8/1/float16", "--page-size",
                      "32", "--cells", "3,5", "--mode", "graph", "--repeats", "2")
-    assert code == 0 and got["seed"] == 7 and got["counts"] == {"prefill": 3, "decode": 5}
+    assert code == 0 and got["seed"] == 7 and got["counts"] == {"prefill": 3, "decode": 5, "extend": 16}
+    assert got["phases"] == ("prefill", "decode")
     assert got["specs"] == [AttentionSpec(40, 8, 128, "bf16", 32), AttentionSpec(32, 8, 64, "fp16", 32),
                             AttentionSpec(8, 1, 128, "fp16", 32)]
     assert got["mode"] == "graph" and got["repeats"] == 2
     assert got["command"] == ["bench", "--heldout", "7", "--specs", "40/8,32/8/64/fp16, 8/1/float16", "--page-size",
                               "32", "--cells", "3,5", "--mode", "graph", "--repeats", "2"]
     code, _, _ = run(capsys, "bench", "--heldout", "0")
-    assert code == 0 and got["specs"] == bench_heldout.HELDOUT_SPECS and got["counts"] == {"prefill": 12, "decode": 24}
+    assert code == 0 and got["specs"] == bench_heldout.HELDOUT_SPECS and got["counts"] == {"prefill": 12, "decode": 24, "extend": 16}
     code, _, _ = run(capsys, "bench", "--heldout", "0", "--cells", "9", "--num-heads", "48", "--num-kv-heads", "8",
                      "--head-dim", "128")
-    assert code == 0 and got["specs"] == [AttentionSpec(48, 8, 128)] and got["counts"] == {"prefill": 9, "decode": 9}
+    assert code == 0 and got["specs"] == [AttentionSpec(48, 8, 128)] and got["counts"] == {"prefill": 9, "decode": 9, "extend": 9}
+    code, _, _ = run(capsys, "bench", "--heldout", "3", "--phases", "extend", "--cells", "1,1,6")
+    assert code == 0 and got["phases"] == ("extend",) and got["counts"]["extend"] == 6
     held = bench_heldout.HELDOUT_SPECS
     assert {(s.num_q_heads, s.num_kv_heads) for s in held} >= {(32, 8), (28, 4), (8, 1), (40, 8), (48, 8)}
     assert {s.head_dim for s in held} == {64, 128, 256} and {s.dtype for s in held} == {"bf16", "fp16"}

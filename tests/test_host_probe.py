@@ -245,7 +245,8 @@ def test_a_phase_timed_again_in_a_fresh_worker_gets_its_share_and_the_timeout_ca
 
     monkeypatch.setattr(runner, "run_tasks", run_tasks)
     order = ["triton", "torch"]
-    sel = select(SPEC, prefill_priority=order, decode_priority=order, timeout=60, budget_s=40.0, use_cache=False)
+    sel = select(SPEC, prefill_priority=order, decode_priority=order, extend="torch", timeout=60, budget_s=40.0,
+                 use_cache=False)
     again = [measure for tasks, measure in calls[1:]]
     assert len(again) == 2 and all(len(m) == 1 for m in again)
     for m in again:

@@ -61,12 +61,12 @@ def test_report_fits_80_columns_with_a_40_line_reason(capsys, monkeypatch):
     assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
     # every candidate is one table row; the stack is one summary line
     rows = [line for line in lines if line.startswith("│")]
-    assert len(rows) == 4
-    summary = [line for line in lines if "stacky:" in line]
+    assert len(rows) == 4 + 7  # prefill and decode: 2 each; extend: the default candidates
+    summary = [line for line in lines if "stacky: Fatal" in line]  # (extend: stacky has no plan_extend)
     assert len(summary) == 1 and "Fatal Python error: Segmentation fault (+39 lines: --json)" in summary[0]
     assert "launch_30" not in out
     assert "launch_30" in err  # the full reason went to the log
-    assert lines[-2:] == ["prefill: torch (auto)", "decode: triton (auto)"]
+    assert lines[-3:] == ["prefill: torch (auto)", "decode: triton (auto)", "extend: triton (auto)"]
     # --json carries the whole reason
     code, out, _ = run(capsys, monkeypatch, 80, "report", *SMALL, "--policy", "priority", "--json",
                        "--prefill-priority", "stacky,torch", "--decode-priority", "triton,torch")
@@ -90,8 +90,8 @@ def test_exit_3_still_prints_what_was_found(capsys, monkeypatch):
     assert code == 3
     assert "prefill candidates" in out and "decode candidates" in out
     assert "flash_attn_interface is not installed" in out
-    assert out.splitlines()[-2].startswith("prefill: cannot be served: prefill backend 'fa3' was requested")
-    assert out.splitlines()[-1] == "decode: torch (auto)"
+    assert out.splitlines()[-3].startswith("prefill: cannot be served: prefill backend 'fa3' was requested")
+    assert out.splitlines()[-2] == "decode: torch (auto)"
     assert err.strip().splitlines()[-1].startswith("attnsel: cannot serve: prefill backend 'fa3'")
     code, out, err = run(capsys, monkeypatch, 80, *argv, "--json")
     assert code == 3
@@ -103,6 +103,7 @@ def test_exit_3_still_prints_what_was_found(capsys, monkeypatch):
 
 PRE = {(1, 16, 16): {"torch": 5.0, "triton": 9.0}, (2, 32, 24): {"torch": 50.0, "triton": 20.0}}
 DEC = {(1, 32): {"torch": 10.0, "triton": 20.0}, (4, 32): {"torch": 90.0, "triton": 30.0}}
+EXT = {(1, 2, 16): {"torch": 10.0, "triton": 25.0}, (2, 5, 24): {"torch": 80.0, "triton": 20.0}}
 
 
 @pytest.fixture
@@ -111,29 +112,33 @@ def injected(monkeypatch):
     from tests.fixtures.dispatch import fake_worker, measured
 
     fake_worker(monkeypatch, {"prefill": measured("prefill", "eager", PRE),
-                              "decode": measured("decode", "eager", DEC)}, [])
+                              "decode": measured("decode", "eager", DEC),
+                              "extend": measured("extend", "eager", EXT)}, [])
 
 
 def test_report_shows_the_dispatch_table(capsys, monkeypatch, injected):
     code, out, _ = run(capsys, monkeypatch, 80, "report", *SMALL, "--prefill-priority", "triton,torch",
-                       "--decode-priority", "triton,torch")
+                       "--decode-priority", "triton,torch", "--extend-priority", "triton,torch")
     assert code == 0
     assert max(len(line) for line in out.splitlines()) <= 80
-    assert "decode dispatch" in out and "prefill dispatch" in out
+    assert "decode dispatch" in out and "prefill dispatch" in out and "extend dispatch" in out
+    words = " ".join(out.split())
+    assert "extend dispatch, eager: buckets over requests, q_len, context; wins: torch 1, triton 1" in words
     rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│ 4x32")]
     assert [c.strip() for c in rows[0]] == ["4x32", "triton", "30.0", "1%", "3.00x", "torch"]
     assert "eager us: time per call" in " ".join(out.split())
     assert "decode dispatch, eager: buckets over batch, context; wins: torch 1, triton 1" in " ".join(out.split())
-    assert out.splitlines()[-1] == "decode: triton (auto), dispatch over 2 buckets (2 backends)"
+    assert out.splitlines()[-2] == "decode: triton (auto), dispatch over 2 buckets (2 backends)"
+    assert out.splitlines()[-1] == "extend: triton (auto), dispatch over 2 buckets (2 backends)"
 
 
 def test_report_json_carries_the_dispatch_table(capsys, monkeypatch, injected):
     code, out, _ = run(capsys, monkeypatch, 80, "report", *SMALL, "--json", "--prefill-priority", "triton,torch",
-                       "--decode-priority", "triton,torch")
+                       "--decode-priority", "triton,torch", "--extend-priority", "triton,torch")
     assert code == 0
     data = json.loads(out)
     assert set(data["time_units"]) == {"score_us", "dispatch.buckets.us", "dispatch.buckets.host", "time_s"}
-    for phase in ("prefill", "decode"):
+    for phase in ("prefill", "decode", "extend"):
         table = data[phase]["dispatch"]
         assert set(table) == {"phase", "mode", "axes", "default", "grid_version", "skipped", "wall_s", "tie",
                               "pruned", "buckets", "ragged"}
@@ -148,14 +153,17 @@ def test_report_json_carries_the_dispatch_table(capsys, monkeypatch, injected):
             assert b["us"] == min(b["times_us"].values()) and b["ratio"] >= 1
     assert data["decode"]["dispatch"]["axes"] == ["batch", "context"]
     assert data["prefill"]["dispatch"]["axes"] == ["num_seqs", "total_tokens", "longest"]
+    assert data["extend"]["dispatch"]["axes"] == ["requests", "q_len", "context"]
+    assert [c["name"] for c in data["extend"]["candidates"]] == ["triton", "torch"]
 
 
 def test_select_prints_the_choice_per_phase(capsys, monkeypatch, injected):
     code, out, _ = run(capsys, monkeypatch, 80, "select", *SMALL, "--prefill-priority", "triton,torch",
-                       "--decode-priority", "triton,torch")
+                       "--decode-priority", "triton,torch", "--extend-priority", "triton,torch")
     assert code == 0
     assert out.splitlines() == ["prefill: triton (auto), dispatch over 2 buckets (2 backends)",
-                                "decode: triton (auto), dispatch over 2 buckets (2 backends)"]
+                                "decode: triton (auto), dispatch over 2 buckets (2 backends)",
+                                "extend: triton (auto), dispatch over 2 buckets (2 backends)"]
 
 
 def test_a_wrapped_reason_continues_under_itself_not_under_the_names(capsys, monkeypatch):

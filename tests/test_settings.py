@@ -19,6 +19,7 @@ SPEC = AttentionSpec(4, 2, 64, "fp32")
 CASES = {
     "prefill_backend": ("torch", "torch", None),
     "decode_backend": ("triton", "triton", None),
+    "extend_backend": ("fa3", "fa3", None),
     "backends": ("tests.fixtures.fault_backends:ALL, tests.fixtures.fault_numerics:SLOPPY",
                  ("tests.fixtures.fault_backends:ALL", "tests.fixtures.fault_numerics:SLOPPY"),
                  "tests.fixtures.fault_backends"),
@@ -43,7 +44,7 @@ def test_every_variable_has_a_case():
 def test_unset_and_empty_are_the_defaults():
     assert Settings.from_env({}) == Settings()
     assert Settings.from_env({v: "  " for v in ENV.values()}) == Settings()
-    assert Settings().canary == 0 and Settings().timing_budget_s == 50.0 and Settings().prefill_backend == "auto"
+    assert Settings().canary == 0 and Settings().timing_budget_s == 75.0 and Settings().prefill_backend == "auto"
 
 
 @pytest.mark.parametrize("field", list(CASES))

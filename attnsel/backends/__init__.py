@@ -27,8 +27,8 @@ from ..spec import AttentionSpec
 
 log = logging.getLogger(__name__)
 
-Phase = Literal["prefill", "decode"]
-PHASES: tuple[Phase, ...] = ("prefill", "decode")
+Phase = Literal["prefill", "decode", "extend"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode", "extend")
 RunFn = Callable[..., torch.Tensor]
 
 BUILTINS: dict[str, str] = {
@@ -69,6 +69,18 @@ class Backend(Protocol):
       may hold anything (engines pad with -1 or num_pages), and cache slots past a sequence's length may hold
       anything (NaN, inf: caches are allocated with torch.empty). A row with ``seq_lens[b] == 0`` (CUDA-graph
       padding) has output zeros.
+    - ``plan_extend(spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len)`` -> ``run(q, k_cache,
+      v_cache, *, sinks=None, k_scale=None, v_scale=None) -> out``: ragged queries over the paged cache (chunked
+      prefill, a prompt-cache hit, multi-token decode, speculative verify). q ``[total_q, num_q_heads, head_dim]``
+      in ``spec.dtype``, out like q; cu_seqlens_q int32 ``[batch + 1]``; page_table, seq_lens and the caches as in
+      decode. ``seq_lens[b]`` counts row b's whole context, its new tokens included (they are in the cache already);
+      row b's ``q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b]`` queries are its last tokens: query i sits at
+      position ``seq_lens[b] - q_len + i`` and sees keys ``j <= position`` (and ``j > position - window``). A row
+      may have 0 queries, or a context of only its queries (a fresh prompt); a query that sees no key gives zeros
+      (a row with ``seq_lens[b] == 0``: CUDA-graph padding). ``max_seqlen_q`` (>= every q_len) and ``max_seq_len``
+      (>= every seq_len) are host ints, bounds for sizing the launch without a sync. q rows past
+      ``cu_seqlens_q[batch]`` are padding: their output is unspecified. Decode is extend with one query per row.
+      A backend without ``plan_extend`` is unavailable for the phase.
     - Run-time feature inputs: ``sinks`` float32 ``[num_q_heads]`` when ``spec.sinks``; ``k_scale``/``v_scale``
       float32 one-element tensors when ``spec.kv_dtype`` is set (real value = stored value * scale).
     Plan runs once per batch (host work allowed); run is what every layer calls: no host sync, inputs unchanged.
@@ -94,6 +106,8 @@ class Backend(Protocol):
                      max_seqlen_q: int, max_seqlen_k: int) -> RunFn: ...
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn: ...
+
+    # optional: plan_extend(spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len) -> RunFn
 
 
 class UnknownBackendError(AttnselError, ValueError):
@@ -253,6 +267,11 @@ def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
     """(reason the backend cannot serve (spec, phase) on ``device``, None) or (None, its cache identity: version
     and source hash). Never raises: whatever the backend's code raises becomes the reason ("unavailable")."""
     name = getattr(backend, "name", repr(backend))
+    if phase == "extend" and not callable(getattr(backend, "plan_extend", None)):
+        return "no plan_extend: this backend does not serve ragged queries over the paged cache", None
+    if phase == "extend" and not spec.causal:  # the phase's contract, whatever a backend could compute
+        return ("the spec is non-causal (causal=False); extend is causal attention of new tokens over their cached "
+                "prefix"), None
     try:
         check = backend.unsupported
         reason = _one_reason(_bounded(lambda: check(spec, phase, device=device) if device is not None
@@ -280,6 +299,11 @@ def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
         log.warning("source of %s unreadable (%s); keyed on its version only", backend.name, exc)
         source = None
     return None, {"version": version, "source": source}
+
+
+def planner(backend: Backend, phase: Phase) -> Callable[..., RunFn]:
+    """The backend's plan function of a phase: plan_prefill, plan_decode or plan_extend."""
+    return getattr(backend, f"plan_{phase}")
 
 
 def first_use_note(backend: Backend) -> str:

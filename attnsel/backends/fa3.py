@@ -11,11 +11,16 @@ raw op (see the results file), more than a small decode's kernel. Decode passes 
 
 Features: sliding window as ``window_size=(w - 1, 0)``; sinks (the op takes them as bfloat16 ``[num_q_heads]``);
 softcap only where the build has it (tokenspeed-fa3 3.0.0 is built with FLASHATTENTION_DISABLE_SOFTCAP); an fp8
-e4m3 cache needs fp8 queries too (FA3 requires q, k, v of one dtype), so decode quantises q per (sequence, KV head)
-with a scale computed on the device (amax / 448) and passes q/k/v descale factors; its output is bf16.
-Variants: ``fa3_packgqa`` forces ``pack_gqa=True`` (the default lets FA3's heuristic decide); ``fa3_split`` (prefill)
-lets FA3 split the keys of a sequence (``num_splits=0``, its heuristic; ``fa3`` prefill uses 1): prefix-cached
-chunks with few queries and long keys.
+e4m3 cache needs fp8 queries too (FA3 requires q, k, v of one dtype), so decode and extend quantise q per (row, KV
+head), the one scale FA3's ``q_descale [batch, kv_heads]`` can take, computed on the device (amax over the row's
+tokens and the group's heads / 448), and pass q/k/v descale factors; the output is bf16.
+Extend (ragged queries over the paged cache) is the varlen call with the paged cache: q ``[total_q, H, D]``,
+``cu_seqlens_q``, ``seqused_k`` = seq_lens, the page table, causal (FA3 aligns bottom-right by each row's lengths).
+Any page size: FA3 loads pages with TMA only when the page size is a multiple of its key tile and otherwise reads
+them row by row (``PagedKVNonTMA``), page size 1 (a token-level table, as LightLLM passes it) included.
+Variants: ``fa3_packgqa`` forces ``pack_gqa=True`` (the default lets FA3's heuristic decide); ``fa3_split`` (prefill,
+extend) lets FA3 split the keys of a sequence (``num_splits=0``, its heuristic; ``fa3`` prefill and extend use 1):
+prefix-cached chunks and multi-token decode, few queries over long keys.
 """
 from __future__ import annotations
 
@@ -63,6 +68,15 @@ def feature_support() -> tuple[set[str], dict[str, str]]:
     return supported, why
 
 
+def build_reason(phase: str) -> str | None:
+    """Why this FA3 build cannot run the phase's call at all: every phase passes lengths per sequence (varlen:
+    cu_seqlens or seqused_k), decode and extend read the paged cache."""
+    flags = _build_flags()
+    needed = ["VARLEN"] + (["PAGEDKV"] if phase != "prefill" else [])
+    off = [f"FLASHATTENTION_DISABLE_{f}" for f in needed if flags.get(f"FLASHATTENTION_DISABLE_{f}", False)]
+    return f"this FA3 build was compiled with {' and '.join(off)}: {phase} needs it" if off else None
+
+
 def _window(spec: AttentionSpec) -> tuple[int, int]:
     return (spec.sliding_window - 1, 0) if spec.sliding_window is not None else (-1, -1)
 
@@ -99,12 +113,36 @@ def quantize_q(q: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.
     return q8, scale
 
 
+def token_rows(cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
+    """int64 ``[total_q]``: the row of each query token, ``batch`` for padding tokens past ``cu_seqlens_q[-1]``
+    (computed on the device: no host sync, captured runs read the metadata of each replay)."""
+    tokens = torch.arange(total_q, dtype=cu_seqlens_q.dtype, device=cu_seqlens_q.device)
+    return torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)
+
+
+def quantize_q_rows(q: torch.Tensor, rows: torch.Tensor, batch: int, num_kv_heads: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] of ragged rows -> (fp8 e4m3 q, float32 descale [batch, num_kv_heads]): one scale per row and KV
+    head group (FA3's q_descale has no token dimension), amax over the row's tokens and the group's heads / 448,
+    computed on the device. ``rows``: each token's row (``token_rows``); padding tokens (row ``batch``) get a scale
+    of their own, so whatever they hold does not reach a row's scale."""
+    t, h, d = q.shape
+    grouped = q.float().view(t, num_kv_heads, h // num_kv_heads, d)
+    token_amax = grouped.abs().amax(dim=(2, 3))  # [T, KVH]
+    amax = torch.zeros(batch + 1, num_kv_heads, dtype=torch.float32, device=q.device)
+    amax.scatter_reduce_(0, rows[:, None].expand(t, num_kv_heads), token_amax, "amax")
+    scale = (amax / FP8_MAX).clamp_min(1e-12)  # [batch + 1, KVH]
+    q8 = (grouped / scale[rows][:, :, None, None]).to(torch.float8_e4m3fn).view(t, h, d)
+    return q8, scale[:batch]
+
+
 class FA3Backend:
     def __init__(self, name: str, pack_gqa: bool | None = None, prefill_splits: int = 1,
-                 phases: tuple[str, ...] = ("prefill", "decode")):
+                 phases: tuple[str, ...] = ("prefill", "decode", "extend")):
         self.name = name
         self.pack_gqa = pack_gqa
-        self.prefill_splits = prefill_splits  # 1: no KV split; 0: FA3's heuristic (splits few-query long-key rows)
+        # prefill and extend: 1, no KV split; 0, FA3's heuristic (splits few-query long-key rows). Decode: always 0.
+        self.prefill_splits = prefill_splits
         self.phases = phases
         # FA3's op takes q [B, 1, H, D]: the FA-compatible decode makes no views (decoding variants only)
         self.decode_takes_b1hd = "decode" in phases
@@ -127,6 +165,7 @@ class FA3Backend:
         if installed:
             supported, why = feature_support()
             reasons += feature_reasons(spec, phase, supported, why)
+            reasons.append(build_reason(phase))
         return joined(reasons)
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -192,7 +231,47 @@ class FA3Backend:
 
         return run
 
+    def plan_extend(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor,
+                    seq_lens: torch.Tensor, max_seqlen_q: int, max_seq_len: int) -> RunFn:
+        import flash_attn_interface  # noqa: F401  registers torch.ops.flash_attn_3
+
+        (cu_q, refresh_q), (page_table, refresh_table), (lens, refresh_lens) = (
+            live_int32(cu_seqlens_q), live_int32(page_table, rows=True), live_int32(seq_lens))
+        batch = lens.numel()
+        # as in decode: no scheduler metadata shared by the runs; rows of zero length (CUDA-graph padding) give
+        # zeros, masked eagerly only when the plan has such rows, by a run being captured from each replay's lengths
+        has_empty = bool(batch) and (capturing(lens) or bool((lens == 0).any()))
+        scale, window, softcap, causal = spec.scale, _window(spec), spec.softcap or 0.0, spec.causal
+        fp8 = spec.kv_dtype is not None
+        pack_gqa, splits, kvh = self.pack_gqa, self.prefill_splits, spec.num_kv_heads
+
+        def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            refresh_captured((refresh_q, refresh_table, refresh_lens), q)
+            mask_empty = bool(batch) and (has_empty or capturing(q))
+            rows = token_rows(cu_q, q.shape[0]) if fp8 or mask_empty else None
+            descale = {}
+            q_in = q
+            if fp8:
+                if k_scale is None or v_scale is None:
+                    raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element "
+                                     "tensors)")
+                q_in, q_descale = quantize_q_rows(q, rows, batch, kvh)
+                descale = dict(q_descale=q_descale, k_descale=k_scale.float().view(1, 1).expand(batch, kvh),
+                               v_descale=v_scale.float().view(1, 1).expand(batch, kvh))
+            out = _fwd(q_in, k_cache, v_cache, cu_seqlens_q=cu_q, seqused_k=lens, max_seqlen_q=max_seqlen_q,
+                       page_table=page_table, softmax_scale=scale, causal=causal, window=window, softcap=softcap,
+                       num_splits=splits, pack_gqa=pack_gqa, sinks=_sinks_arg(spec, sinks), **descale)
+            if out.dtype != q.dtype:  # fp8 inputs give bf16
+                out = out.to(q.dtype)
+            if mask_empty:  # the queries of zero-length rows (CUDA-graph padding) are zeros
+                lens_or_pad = torch.nn.functional.pad(lens, (0, 1), value=1)  # padding tokens: left as they are
+                out = out.masked_fill((lens_or_pad[rows] == 0)[:, None, None], 0.0)
+            return out
+
+        return run
+
 
 BACKEND = FA3Backend("fa3")
 BACKEND_PACKGQA = FA3Backend("fa3_packgqa", pack_gqa=True)
-BACKEND_SPLIT = FA3Backend("fa3_split", prefill_splits=0, phases=("prefill",))
+BACKEND_SPLIT = FA3Backend("fa3_split", prefill_splits=0, phases=("prefill", "extend"))

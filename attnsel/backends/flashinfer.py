@@ -1,17 +1,23 @@
 """flashinfer: FlashInfer's ragged prefill and paged decode wrappers (plan once per batch, run per layer).
 
 Variants are separate candidates because their speed differs by shape (see the results file):
-``flashinfer`` (prefill: FlashInfer's own template choice, its FA3 template on Hopper; decode: tensor-core kernels),
-``flashinfer_cuda_cores`` (decode on CUDA cores), ``flashinfer_fa2`` (prefill on the FA2 template, Hopper only: below
-Hopper it is what ``flashinfer`` runs), ``flashinfer_fa3`` (tensor-core decode on the FA3 template, Hopper only).
+``flashinfer`` (prefill and extend: FlashInfer's own template choice, its FA3 template on Hopper, FA2 with an fp8
+cache; decode: tensor-core kernels), ``flashinfer_cuda_cores`` (decode on CUDA cores), ``flashinfer_fa2`` (prefill and
+extend on the FA2 template, Hopper only: below Hopper it is what ``flashinfer`` runs), ``flashinfer_fa3`` (tensor-core
+decode on the FA3 template, Hopper only).
+Extend (ragged queries over the paged cache) runs BatchPrefillWithPagedKVCacheWrapper: qo_indptr = cu_seqlens_q, the
+page table in CSR form, causal (FlashInfer aligns bottom-right by each row's lengths). A row without keys is planned
+as a one-token row on page 0 (FlashInfer's FA3 template plans rows by their host lengths, and a row of no pages
+would read the page ids of the next row) and its queries are zeroed, as are queries before a row's first key.
 
 Features (FlashInfer 0.6.4): sliding window (``window_left = w - 1``) and logit softcap (``logits_soft_cap``) at
-plan time; an fp8 e4m3 decode cache (``kv_data_type``) with ``k_scale`` folded into the softmax scale on the host
-(FlashInfer takes it as a Python float: the tensor is read once per tensor version, a host sync only then) and
-``v_scale`` applied to the output on the device. Sinks (``flashinfer`` only): FlashInfer's
+plan time; an fp8 e4m3 cache (``kv_data_type``; decode and extend) with ``k_scale`` folded into the softmax scale on
+the host (FlashInfer takes it as a Python float: the tensor is read once per tensor version, a host sync only then)
+and ``v_scale`` applied to the output on the device. Sinks (``flashinfer`` only): FlashInfer's
 BatchAttentionWithAttentionSinkWrapper, a paged prefill JIT variant (its own module per dtype/window) that adds the
-sink to the first KV tile's softmax state; decode plans it with one query per sequence, prefill with the ragged k/v
-viewed as a paged cache of page size 1. That variant has no softcap and no fp8 dequantisation: declined with sinks.
+sink to the first KV tile's softmax state; extend plans it as it comes, decode with one query per sequence, prefill
+with the ragged k/v viewed as a paged cache of page size 1. That variant has no softcap and no fp8 dequantisation:
+declined with sinks.
 
 Workspace: one zeroed float buffer per device of ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
 recommendation for real batches), used for validation and serving alike, shared by the wrappers of the device (their
@@ -118,7 +124,8 @@ def _take(key: tuple, make) -> tuple[object, _Hold]:
 
 def _wrapper(device: torch.device, kind: str, nbytes: int, template: str, spec: AttentionSpec
              ) -> tuple[object, _Hold]:
-    """A free wrapper of this device, kind ("prefill", "decode_tc", "decode_cc"), template ("auto", "fa2", "fa3")
+    """A free wrapper of this device, kind ("prefill", "extend", "decode_tc", "decode_cc"), template ("auto", "fa2",
+    "fa3")
     and the spec's q/KV dtypes (a wrapper resolves its "auto" template once, on its first plan), and its hold (see
     ``_take``). The wrappers of a device share one float workspace: their runs must be issued on one stream (as an
     engine's layers are)."""
@@ -128,6 +135,8 @@ def _wrapper(device: torch.device, kind: str, nbytes: int, template: str, spec: 
         ws = _workspace(device, nbytes)
         if kind == "prefill":
             return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=template)
+        if kind == "extend":
+            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=template)
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"),
                                                              backend=template)
 
@@ -237,7 +246,7 @@ class FlashInferBackend:
             if spec.sinks and spec.softcap is not None:
                 reasons.append("attention sinks with a logit softcap: not supported (FlashInfer's attention-sink "
                                "variant has no softcap)")
-            if spec.sinks and spec.kv_dtype is not None and phase == "decode":
+            if spec.sinks and spec.kv_dtype is not None and phase != "prefill":
                 reasons.append("attention sinks with an fp8 KV cache: not supported (FlashInfer's attention-sink "
                                "variant does not dequantise)")
         if phase == "decode" and self.decode_template == "fa3":
@@ -291,22 +300,20 @@ class FlashInferBackend:
 
         return self._checked(wrapper, hold, call)
 
-    def _plan_decode_sinks(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
-        device = seq_lens.device
-        wrapper, hold = _sink_wrapper(device, "decode", workspace_bytes(), spec.torch_dtype, spec.kv_torch_dtype,
+    def _plan_paged_sinks(self, spec: AttentionSpec, phase: str, qo_indptr: torch.Tensor, page_table: torch.Tensor,
+                          seq_lens: torch.Tensor) -> RunFn:
+        """The attention-sink wrapper over the paged cache: decode (one query per row) and extend."""
+        wrapper, hold = _sink_wrapper(seq_lens.device, phase, workspace_bytes(), spec.torch_dtype, spec.kv_torch_dtype,
                                       spec.head_dim, _window_left(spec))
-        indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
-        qo_indptr = torch.arange(seq_lens.numel() + 1, dtype=torch.int32, device=device)
+        indptr, indices, last, blind = _extend_layout(qo_indptr, page_table, seq_lens, spec.page_size)
         wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
-                     spec.page_size, causal=True, sm_scale=spec.scale, window_left=_window_left(spec),
+                     spec.page_size, causal=spec.causal, sm_scale=spec.scale, window_left=_window_left(spec),
                      q_data_type=spec.torch_dtype, kv_data_type=spec.kv_torch_dtype)
-        lens = seq_lens.to(torch.int32)
-        empty_rows = (lens == 0)[:, None, None] if lens.numel() and bool((lens == 0).any()) else None
         scale = spec.scale
 
         def call(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
             out = wrapper.run(q, (k_cache, v_cache), _sinks_arg(spec, sinks), scale)
-            return out.masked_fill(empty_rows, 0.0) if empty_rows is not None else out
+            return out.index_fill_(0, blind, 0.0) if blind is not None else out
 
         return self._checked(wrapper, hold, call)
 
@@ -315,7 +322,8 @@ class FlashInferBackend:
 
     def _plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
         if spec.sinks:
-            return self._plan_decode_sinks(spec, page_table, seq_lens)
+            qo_indptr = torch.arange(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
+            return self._plan_paged_sinks(spec, "decode", qo_indptr, page_table, seq_lens)
         wrapper, hold = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template,
                                  spec)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
@@ -343,6 +351,37 @@ class FlashInferBackend:
 
         return self._checked(wrapper, hold, call)
 
+    def plan_extend(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor,
+                    seq_lens: torch.Tensor, max_seqlen_q: int, max_seq_len: int) -> RunFn:
+        return _released_on_error(self._plan_extend, spec, cu_seqlens_q, page_table, seq_lens)
+
+    def _plan_extend(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor,
+                     seq_lens: torch.Tensor) -> RunFn:
+        qo_indptr = cu_seqlens_q.to(torch.int32, copy=True)  # private: FlashInfer's run reads the tensor it was given
+        if spec.sinks:
+            return self._plan_paged_sinks(spec, "extend", qo_indptr, page_table, seq_lens)
+        wrapper, hold = _wrapper(seq_lens.device, "extend", workspace_bytes(), self.prefill_template, spec)
+        indptr, indices, last, blind = _extend_layout(qo_indptr, page_table, seq_lens, spec.page_size)
+        wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
+                     spec.page_size, causal=spec.causal, sm_scale=spec.scale, window_left=_window_left(spec),
+                     logits_soft_cap=spec.softcap, q_data_type=spec.torch_dtype, kv_data_type=spec.kv_torch_dtype)
+        fp8 = spec.kv_dtype is not None
+        k_scale_host = HostScalar()
+
+        def call(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
+            _no_sinks(sinks)
+            if fp8:
+                if k_scale is None or v_scale is None:
+                    raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element "
+                                     "tensors)")
+                out = wrapper.run(q, (k_cache, v_cache), k_scale=k_scale_host(k_scale))
+                out = (out * v_scale).to(q.dtype)  # on the device, as decode does
+            else:
+                out = wrapper.run(q, (k_cache, v_cache))
+            return out.index_fill_(0, blind, 0.0) if blind is not None else out
+
+        return self._checked(wrapper, hold, call)
+
     def _checked(self, wrapper, hold: _Hold, call) -> RunFn:
         """The run function of the wrapper's current plan, which owns the wrapper from now on (``hold`` reserved it
         while planning). It raises if a later plan replaced its plan anyway, and ``run.current()`` says whether it
@@ -362,6 +401,25 @@ class FlashInferBackend:
         return run
 
 
+def _extend_layout(qo_indptr: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
+    """(indptr, indices, last_page_len, query rows that see no key or None) of a batch for FlashInfer's paged
+    prefill wrappers. A row without keys becomes a one-token row on page 0 (its queries are among the blind rows,
+    zeroed): FlashInfer's FA3 template plans each row by its host length, and a row of no pages gets ``page_size``
+    tokens there, read through the page ids of the next row. Reads the metadata on the host (the plan syncs anyway)."""
+    lens = seq_lens.to(torch.int32)
+    keys = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
+    keys[1:] = torch.cumsum(lens, 0)
+    blind = support.rows_without_keys(qo_indptr, keys)
+    empty = lens == 0
+    if lens.numel() and bool(empty.any()):
+        table = page_table if page_table.shape[1] else torch.zeros(lens.numel(), 1, dtype=torch.int32,
+                                                                   device=lens.device)
+        table = table.to(torch.int32, copy=True)
+        table[:, 0] = torch.where(empty, 0, table[:, 0])
+        page_table, lens = table, torch.where(empty, 1, lens)
+    return (*paged_kv_layout(page_table, lens, page_size), blind)
+
+
 def _window_left(spec: AttentionSpec) -> int:
     return spec.sliding_window - 1 if spec.sliding_window is not None else -1
 
@@ -377,7 +435,8 @@ def _sinks_arg(spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tensor:
     return sinks
 
 
-BACKEND = FlashInferBackend("flashinfer", phases=("prefill", "decode"))
+BACKEND = FlashInferBackend("flashinfer", phases=("prefill", "decode", "extend"))
 BACKEND_CUDA_CORES = FlashInferBackend("flashinfer_cuda_cores", phases=("decode",), decode_kind="decode_cc")
-BACKEND_FA2 = FlashInferBackend("flashinfer_fa2", phases=("prefill",), prefill_template="fa2", hopper_only=True)
+BACKEND_FA2 = FlashInferBackend("flashinfer_fa2", phases=("prefill", "extend"), prefill_template="fa2",
+                               hopper_only=True)
 BACKEND_FA3 = FlashInferBackend("flashinfer_fa3", phases=("decode",), decode_template="fa3", hopper_only=True)

@@ -26,8 +26,8 @@ def dtype_reason(spec: AttentionSpec, allowed: tuple[str, ...] = ("fp16", "bf16"
 
 
 def spec_features(spec: AttentionSpec, phase: str) -> dict[str, str]:
-    """The optional features this spec uses in this phase: key (FEATURES) -> words. kv_dtype is a decode matter
-    (prefill takes k/v in ``spec.dtype``)."""
+    """The optional features this spec uses in this phase: key (FEATURES) -> words. kv_dtype is a matter of the
+    phases that read the paged cache, decode and extend (prefill takes k/v in ``spec.dtype``)."""
     used = {}
     if spec.sliding_window is not None:
         used["sliding_window"] = f"sliding window ({spec.sliding_window} tokens)"
@@ -35,7 +35,7 @@ def spec_features(spec: AttentionSpec, phase: str) -> dict[str, str]:
         used["softcap"] = f"logit softcap ({spec.softcap:g})"
     if spec.sinks:
         used["sinks"] = "attention sinks"
-    if spec.kv_dtype is not None and phase == "decode":
+    if spec.kv_dtype is not None and phase != "prefill":
         used["kv_dtype"] = f"{spec.kv_dtype} KV cache"
     if not spec.causal:
         used["non_causal"] = "non-causal attention"

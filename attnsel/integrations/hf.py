@@ -18,9 +18,11 @@ flags, and generate's own objects such as the tokenizer it forwards to every cal
 Dense path: the registered mask function returns a 2D key mask ``[B, n]`` (padding; columns past n are empty static
 cache slots; the queries are the last ``Sq`` of the n columns), unpadded into a ragged batch for prefill; one-token
 steps go through the paged decode API (the dense cache rows are gathered into pages, left-aligned). Paged path
-(transformers 5.17): decode-only steps of full-attention layers write the new tokens into transformers' own cache
-tensors and read them in place through a page table derived from its read index; other steps (prefill, sliding
-layers) go through the ragged prefill API on the keys ``cache.update`` gathers.
+(transformers 5.17): steps of full-attention layers with a cached prefix write the new tokens into transformers' own
+cache tensors and read them in place through a page table derived from its read index: decode-only steps through the
+paged decode API, the others (chunked prefill, prefix sharing, decodes mixed with prefills) through the extend API
+(``hf_extend``). Steps without a cached prefix (fresh prompts) and sliding layers go through the ragged prefill API
+on the keys ``cache.update`` returns.
 
 The state (options, selections, call counts, per-step plans) lives in an ``HFAttention`` object; the functions
 registered with transformers delegate to one default instance, made on first use, which ``register()`` configures.
@@ -39,8 +41,10 @@ import torch.nn.functional as F
 from .. import AttentionSpec, Selection, SelectionError, SpecError, select
 from ..run_checks import plan_is_current
 from ..settings import Settings
+from ..graph_selection import check_may_select
 from ..spec import DTYPES, dtype_name
 from . import hf_fallback
+from .hf_extend import PrefixReads, paged_extend, paged_page_table
 from .hf_calls import PAGED, CallCounts, is_causal, run_inputs, short, unimplemented
 from .hf_fallback import NAME, key_mask
 
@@ -69,7 +73,8 @@ def paged_unsupported() -> str | None:
 class HFAttention:
     """The state of attnsel's transformers attention functions: the selection options, the selections per (spec,
     device), the calls served and handed back (hf_calls), select_for_model's page size during its warm-up, the
-    plans of the current step per path. ``configure`` is ``register``'s reset."""
+    plans of the current step per path, the cached-prefix steps gathered anyway (hf_extend). ``configure`` is
+    ``register``'s reset."""
 
     def __init__(self) -> None:
         self.options: dict = {}
@@ -79,6 +84,7 @@ class HFAttention:
         self.page_size_override: int | None = None
         self.dense_steps = _StepPlans()
         self.paged_steps = _StepPlans()
+        self.prefix = PrefixReads()
 
     def configure(self, prefill: str | None = None, decode: str | None = None, **select_options) -> None:
         """New selection options (prefill/decode: "auto" or a backend name; None: the environment's, else auto):
@@ -87,15 +93,21 @@ class HFAttention:
                                              if v is not None}}
         self.selections.clear()
         self.counts.clear()
+        self.prefix.clear()
         self.generation += 1
 
-    def selection_for(self, spec: AttentionSpec, device: torch.device) -> Selection:
-        """The Selection for a spec on a device, made once (the persistent cache makes later starts fast)."""
-        key = (spec, str(device))
+    def selection_for(self, spec: AttentionSpec, device: torch.device, mode: str | None = None) -> Selection:
+        """The Selection for a spec on a device, made once (the persistent cache makes later starts fast); mode
+        "graph": the one a call made during CUDA-graph capture plans on (graph_selection)."""
+        key = (spec, str(device)) if mode is None else (spec, str(device), mode)
         if key not in self.selections:
             env = Settings.from_env()
-            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, **self.options}
-            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), device=str(device), **opts)
+            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, "extend": env.extend_backend,
+                    **self.options,
+                    **({"mode": mode} if mode else {})}
+            check_may_select(spec, mode)
+            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), opts.pop("extend"), device=str(device),
+                         **opts)
             log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
             self.selections[key] = sel
         return self.selections[key]
@@ -253,6 +265,12 @@ class HFAttention:
             kvh, d = k_cache.shape[-2:]
             out = run(q, k_cache.view(-1, block, kvh, d), v_cache.view(-1, block, kvh, d), **features)
             return out[None], None
+        if cache_window == 1 and read_index[group].numel() > 0:  # a cached prefix, read in place (None: gather)
+            out = paged_extend(self, sel, module.layer_idx, q, key, value, cache, group, layer_in_group,
+                               cu_seq_lens_q, cu_seq_lens_k, max_seqlen_q, max_seqlen_k, read_index[group],
+                               write_index[group], features)
+            if out is not None:
+                return out[None], None
         k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
                             write_index=write_index)
         run = self.paged_steps.get(
@@ -470,19 +488,3 @@ def _plan_dense(sel: Selection, mask: torch.Tensor | None, batch: int, len_q: in
     run = sel.plan_prefill(cu_q, cu_k, max_q, max_k, **_plan_args(sel.plan_prefill, total_q=total_q, total_k=total_k))
     return _DensePlan(False, run, qmask.nonzero(as_tuple=True), kmask.nonzero(as_tuple=True))
 
-
-# --- paged path (continuous batching, transformers 5.17) ------------------------------------------------------------
-
-def paged_page_table(read_index: torch.Tensor, cu_k: torch.Tensor, block_size: int,
-                     max_len: int | None = None) -> tuple:
-    """(page_table, seq_lens) of a decode step from transformers' read index: sequence i reads slots
-    ``read_index[cu_k[i]:cu_k[i+1]]``, which lie block by block in its pages. Columns past a sequence's pages hold
-    page 0 (a page that exists: harmless to any backend)."""
-    lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-    longest = int(lens.max()) if max_len is None else max_len
-    max_pages = max(1, math.ceil(longest / block_size))
-    offsets = cu_k[:-1, None].long() + torch.arange(max_pages, device=cu_k.device)[None, :] * block_size
-    valid = offsets < cu_k[1:, None].long()
-    slots = read_index[offsets.clamp(max=read_index.numel() - 1)]
-    page_table = torch.where(valid, slots // block_size, torch.zeros_like(slots)).to(torch.int32)
-    return page_table, lens

@@ -11,7 +11,9 @@ paged flash forward). The Hub-kernel route would need the ``kernels`` package at
 (``attnsel.flash_api``) for that name. transformers then does what it does for FlashAttention: unpads, packs the
 continuous batch, updates its paged cache, and calls ``flash_attn_varlen_func``; attnsel selects and dispatches.
 The name has no "2"/"3", so transformers' FA2/FA3-only decode fast path (``flash_attn_with_kvcache`` with its block
-table) stays off: every step, decode included, goes through the varlen call.
+table) stays off: every step, decode included, goes through the varlen call. Where transformers would gather a
+step's cached prefix for that call (>= 5.24), ``hf_extend_hook`` keeps it in the paged cache and the call reads the
+pages in place (the decode and extend phases).
 
 The hook replaces ``transformers.modeling_flash_attention_utils._lazy_imports`` with a wrapper that answers for
 ``"attnsel_flash"`` only and defers to the original for every other name; it checks that the function it wraps has
@@ -53,6 +55,7 @@ import torch
 
 from .. import flash_api, settings
 from ..cache import default_dir
+from . import hf_extend_hook
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +96,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """attnsel.flash_attn_varlen_func under the parameter names transformers probes for (it passes only the
     features a function declares and silently drops the others, so every feature a model may use is declared here:
     ``s_aux`` is its name for attention sinks, ``dropout_p`` is refused when non-zero)."""
+    layer = hf_extend_hook.default().take(k)  # this layer's cached prefix stayed in the paged cache (>= 5.24)
     if dropout_p:
         raise flash_api.UnsupportedArgument(f"attnsel_flash: dropout_p={dropout_p!r}: attention dropout is not "
                                             "supported (attnsel serves inference)")
+    if layer is not None:
+        return hf_extend_hook.default().attend(layer, q, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                               causal, window_size, softcap, deterministic, s_aux)
     return flash_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                             softcap=softcap, deterministic=deterministic, sinks=s_aux)
@@ -155,6 +162,7 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
 
     flash_api.configure(prefill, decode, **select_options)
     _install_lazy_import_hook()
+    _install_extend_hook((NAME, PAGED_NAME))
     AttentionInterface.register(NAME, flash_attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     if _minor(transformers.__version__) == (5, 18):
@@ -163,6 +171,18 @@ def register(prefill: str | None = None, decode: str | None = None, **select_opt
         AttentionInterface.register(PAGED_NAME, paged_attention_forward)
         AttentionMaskInterface.register(PAGED_NAME, flash_attention_mask)
     return [NAME]
+
+
+def _install_extend_hook(names, restart_counts: bool = True) -> None:
+    """hf_extend_hook for ``names`` where this transformers has the cache update it knows (its counts restart with a
+    registration); else the reason, logged."""
+    reason = hf_extend_hook.unsupported()
+    if reason is None:
+        hf_extend_hook.install(names)
+        if restart_counts:
+            hf_extend_hook.default().reads.clear()
+    else:
+        log.info("attnsel: steps with a cached prefix read the keys transformers gathers: %s", reason)
 
 
 def kernel_versions() -> bool:
@@ -254,12 +274,15 @@ def register_kernel(prefill: str | None = None, decode: str | None = None, **sel
     os.environ[ENV_OPTIONS] = json.dumps(flash_api.default().options)
     entries = [e for e in os.environ.get("LOCAL_KERNELS", "").split(":") if e and e.split("=")[0] != KERNEL_NAME]
     os.environ["LOCAL_KERNELS"] = ":".join(entries + [f"{KERNEL_NAME}={root}"])
+    _install_extend_hook((KERNEL_NAME,))
     return [KERNEL_NAME]
 
 
 def _configure_from_env() -> None:
     """In a process that did not call ``register_kernel`` (one transformers spawned), the options of the one that
-    did; a no-op where they are already in force or the environment carries none."""
+    did and the cache-update hook; the options are left alone where already in force or the environment carries
+    none."""
+    _install_extend_hook((KERNEL_NAME,), restart_counts=False)
     options = settings.read("kernel_options")
     if options is None:
         return

@@ -7,38 +7,24 @@ by the same yardstick). NaN or inf in the output rejects outright, so does an in
 candidates, ``outlier_reason`` also rejects an error far larger than the best valid candidate's (applied by the
 selection layer).
 
-Traps in the decode case (a backend must not read past a sequence): NaN and inf in the unused slots of each
-sequence's last page, page-table columns past a sequence's pages holding -1, ``num_pages`` (out of range) or a page
-full of NaN or of large garbage, spare pages of garbage, and a zero-length row (CUDA-graph padding) whose output
-must be zeros.
+The cases' inputs and traps: inputs.py; the paged-cache cases (decode, extend): paged_cases.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 
 import torch
 
 from ..backends import decode_takes_b1hd
 from ..spec import AttentionSpec
-from .yardstick import (TOL_FACTOR, TOL_FLOOR, careful_attention, reference_attention, row_errors, row_tolerance,
-                        worst_row)
+from .inputs import _attention, _sequence, _sinks, cumulative
+from .paged_cases import DecodeCase, ExtendCase, decode_case, decode_lengths, extend_case, extend_lengths
+from .yardstick import TOL_FACTOR, TOL_FLOOR, reference_attention, row_errors, row_tolerance, worst_row
 
-GARBAGE_SCALE = 1e3  # unused cache pages hold values this large: reading them shows in the output
-FP8_GARBAGE = 448.0  # the largest finite e4m3 value (e4m3fn has no inf)
-# fp8 KV case: stored value = real value / scale (real values ~ N(0, 1), stored ~ N(0, 1 / scale)); two different
-# scales, not 1, so a backend that ignores or swaps them is caught.
-K_SCALE, V_SCALE = 0.35, 0.6
-# Sink logits per head (cycled), in units of the logits' spread (softcap / 10 with a softcap): large ones dominate the
-# denominator, small ones barely matter, so a backend that ignores or misplaces sinks is caught on some heads.
-SINK_VALUES = (6.0, -4.0, 1.5, 0.0, 9.0, -9.0, 3.0)
-# With a softcap the queries are scaled so that logits reach about SOFTCAP_LOGITS x softcap: capping matters.
-SOFTCAP_LOGITS = 1.0
-# Sliding window: in the boundary sequences, the keys at each query's window edge get a logit log(w) + EDGE_MARGIN
-# (far above the rest) and values moved by EDGE_VALUE, so an off-by-one window shows whatever w is.
-EDGE_MARGIN = 8.0
-EDGE_VALUE = 4.0
+__all__ = ["PrefillCase", "DecodeCase", "ExtendCase", "prefill_case", "decode_case", "extend_case",
+           "decode_lengths", "extend_lengths", "prefill_lengths", "cumulative", "reference_attention", "make_case",
+           "single_case", "run_case", "run_kwargs", "check_output", "clear_output", "TOL_FLOOR"]
+
 
 
 @dataclasses.dataclass
@@ -77,51 +63,7 @@ class PrefillCase:
         return f"{self.sequence_of_row(row)}, query {row - cq[b]} at position {lk - lq + row - cq[b]} (row {row})"
 
 
-@dataclasses.dataclass
-class DecodeCase:
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    ref: torch.Tensor  # float32
-    yard_err: torch.Tensor  # float32 [rows]
-    sinks: torch.Tensor | None = None
-    k_scale: torch.Tensor | None = None  # float32 [1] when spec.kv_dtype
-    v_scale: torch.Tensor | None = None
-    changed_inputs: list[str] = dataclasses.field(default_factory=list)
-    rerun_diff: torch.Tensor | None = None
-    layout_error: str | None = None  # set by run_case for a backend with decode_takes_b1hd
-
-    INPUTS = ("page_table", "seq_lens", "q", "k_cache", "v_cache", "sinks", "k_scale", "v_scale")
-
-    def describe(self) -> str:
-        return (f"decode seq_lens={self.seq_lens.tolist()} pages={self.k_cache.shape[0]} (shuffled; NaN/inf in "
-                f"unused slots, -1/{self.k_cache.shape[0]} in unused page-table columns)")
-
-    def sequence_of_row(self, row: int) -> str:
-        return f"sequence {row} (seq_len {int(self.seq_lens[row])})"
-
-    def row_label(self, row: int) -> str:
-        n = int(self.seq_lens[row])
-        where = f"its query at position {n - 1}" if n else "padding"
-        return f"{self.sequence_of_row(row)}, {where} (row {row})"
-
-
-Case = PrefillCase | DecodeCase
-
-
-def _attention(spec: AttentionSpec, q, k, v, sinks, cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 reference, yardstick) of one sequence; ``cache``: k/v come from the paged cache (decode), in fp8 when
-    the spec's kv_dtype is."""
-    features = dict(window=spec.sliding_window, softcap=spec.softcap, sinks=sinks)
-    fp8 = cache and spec.kv_dtype is not None
-    return (reference_attention(q, k, v, spec.scale, spec.causal, **features),
-            careful_attention(q, k, v, spec.scale, spec.causal, dtype=spec.torch_dtype, fp8=fp8, **features))
-
-
-def cumulative(lengths: list[int], device) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+Case = PrefillCase | DecodeCase | ExtendCase
 
 
 def prefill_lengths(spec: AttentionSpec, device: torch.device) -> tuple[list[int], list[int], int]:
@@ -138,76 +80,6 @@ def prefill_lengths(spec: AttentionSpec, device: torch.device) -> tuple[list[int
     w = spec.sliding_window
     boundary = [n for n in (w - 1, w, w + 6) if n >= 1] if w is not None else []
     return q + [min(n, cap) for n in boundary], k + boundary, len(boundary)
-
-
-def decode_lengths(spec: AttentionSpec, device: torch.device) -> tuple[list[int], int]:
-    """(context lengths with the new token, number of window-boundary sequences at the end): 1, a page and one, a
-    zero-length row (CUDA-graph padding), partial pages, one long; with a sliding window w, boundary sequences of
-    w - 1, w, w + 1 and well past w."""
-    ps = spec.page_size
-    long = 1531 if device.type == "cuda" else 157
-    lens = [1, ps + 1, 0, max(2, 3 * ps - 5), long, 2 * ps]
-    w = spec.sliding_window
-    boundary = [n for n in (w - 1, w, w + 1, w + 2 * ps + 3) if n >= 1] if w is not None else []
-    return lens + boundary, len(boundary)
-
-
-def _sinks(spec: AttentionSpec) -> torch.Tensor | None:
-    """Sink logits per head, in the range of the case's logits (unit spread; with a softcap, within +-softcap)."""
-    if not spec.sinks:
-        return None
-    unit = spec.softcap / 10 if spec.softcap is not None else 1.0
-    values = [SINK_VALUES[h % len(SINK_VALUES)] * unit for h in range(spec.num_q_heads)]
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def _query_boost(spec: AttentionSpec) -> float:
-    """Factor on unit-variance queries so that logits spread about SOFTCAP_LOGITS x softcap (1 without softcap)."""
-    if spec.softcap is None:
-        return 1.0
-    return SOFTCAP_LOGITS * spec.softcap / (spec.scale * spec.head_dim ** 0.5)
-
-
-def _edge_logit(spec: AttentionSpec) -> float:
-    """Logit (before the softcap) of window-edge keys: far above the sum of w unit-spread logits once capped."""
-    target = math.log(spec.sliding_window) + EDGE_MARGIN
-    if spec.softcap is None:
-        return target
-    return spec.softcap * math.atanh(min(target / spec.softcap, 0.995))
-
-
-def _sequence(spec: AttentionSpec, gen: torch.Generator, lq: int, lk: int, boundary: bool,
-              kv_dtype: torch.dtype, scales: tuple[float, float] | None):
-    """One sequence: q ``[lq, H, D]`` in the spec's dtype, k/v ``[lk, KVH, D]`` as stored (kv_dtype; fp8: divided by
-    their scale) and as the reference sees them (dequantised). Queries are the last lq of lk positions.
-
-    boundary (sliding window w): each query whose window starts inside the sequence gets a logit far above the rest
-    (_edge_logit) on the first key inside its window and on the last key outside it, and those keys' values move by
-    +-EDGE_VALUE (alternating): a window one key too wide or too narrow moves the output by about EDGE_VALUE, however
-    long the window. Other sequences are random, their queries boosted so that a softcap matters."""
-    heads, kvh, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
-    q = torch.randn(lq, heads, d, generator=gen) * (1.0 if boundary else _query_boost(spec))
-    k = torch.randn(lk, kvh, d, generator=gen)
-    v = torch.randn(lk, kvh, d, generator=gen)
-    edges = []  # (query row, key position)
-    if boundary:
-        for row in range(lq):
-            first = lk - lq + row - spec.sliding_window + 1  # first key inside the window of this query
-            edges += [(row, p) for p in (first, first - 1) if p >= 0]
-        for p in sorted({p for _, p in edges}):
-            v[p] += EDGE_VALUE * (-1) ** p
-    if scales is None:
-        k_stored, v_stored = k.to(kv_dtype), v.to(kv_dtype)
-        k_real, v_real = k_stored, v_stored
-    else:
-        k_stored, v_stored = (k / scales[0]).to(kv_dtype), (v / scales[1]).to(kv_dtype)
-        k_real, v_real = k_stored.float() * scales[0], v_stored.float() * scales[1]
-    if edges:
-        logit = _edge_logit(spec)
-        for row, p in edges:
-            kp = k_real[p].float().repeat_interleave(heads // kvh, 0)  # [H, D]: each query head's key
-            q[row] += logit / spec.scale * kp / kp.square().sum(-1, keepdim=True)
-    return q.to(spec.torch_dtype), k_stored, v_stored, k_real, v_real
 
 
 def prefill_case(spec: AttentionSpec, device: torch.device, seed: int = 0,
@@ -231,82 +103,20 @@ def prefill_case(spec: AttentionSpec, device: torch.device, seed: int = 0,
     return PrefillCase(cu_q, cu_k, max(lq), max(lk), q, k, v, ref, row_errors(low, ref), sinks)
 
 
-def _garbage(shape, gen, kv_dtype: torch.dtype) -> torch.Tensor:
-    if kv_dtype == torch.float8_e4m3fn:
-        return (torch.randn(*shape, generator=gen) * 100).clamp(-FP8_GARBAGE, FP8_GARBAGE).to(kv_dtype)
-    return (torch.randn(*shape, generator=gen) * GARBAGE_SCALE).to(kv_dtype)
-
-
-def _poison(page: torch.Tensor, first_slot: int) -> None:
-    """NaN, +inf, -inf (fp8: NaN, +-448) in slots first_slot.. of one cache page ``[page_size, kvh, d]``."""
-    if page.dtype == torch.float8_e4m3fn:
-        values = (float("nan"), FP8_GARBAGE, -FP8_GARBAGE)
-    else:
-        values = (float("nan"), float("inf"), float("-inf"))
-    for slot in range(first_slot, page.shape[0]):
-        page[slot] = values[(slot - first_slot) % 3]
-
-
-def decode_case(spec: AttentionSpec, device: torch.device, seed: int = 1, lengths: list[int] | None = None
-                ) -> DecodeCase:
-    """The decode case with its traps (decode_lengths), or the given context lengths (same traps, no boundary)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    lens, boundary = decode_lengths(spec, device) if lengths is None else (list(lengths), 0)
-    ps, kvh, d, dt, kv_dt = spec.page_size, spec.num_kv_heads, spec.head_dim, spec.torch_dtype, spec.kv_torch_dtype
-    scales = (K_SCALE, V_SCALE) if spec.kv_dtype is not None else None
-    pages_per_seq = [math.ceil(n / ps) for n in lens]
-    spare = 8  # pages nobody uses: half NaN, half large garbage
-    num_pages = sum(pages_per_seq) + spare
-    # Every row has unused columns, many of them as in an engine's table sized for the longest possible sequence (a
-    # backend that sizes its work by the table's width, like FA3's scheduler, must get the same answer).
-    max_pages = 2 * max(pages_per_seq) + 3
-    k_cache = _garbage((num_pages, ps, kvh, d), gen, kv_dt)
-    v_cache = _garbage((num_pages, ps, kvh, d), gen, kv_dt)
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    nan_pages, garbage_pages = order[-spare:][: spare // 2], order[-spare:][spare // 2:]
-    for page in nan_pages:
-        k_cache[page] = float("nan")
-        v_cache[page] = float("nan")
-    # Unused page-table columns: out-of-range sentinels (-1, num_pages) and pages of NaN or garbage, varied by row.
-    fillers = [-1, num_pages, nan_pages[0], garbage_pages[0]]
-    page_table = torch.tensor([[fillers[(b + c) % len(fillers)] for c in range(max_pages)]
-                               for b in range(len(lens))], dtype=torch.int32)
-    sinks = _sinks(spec)
-    q = torch.empty(len(lens), spec.num_q_heads, d, dtype=dt)
-    ref = torch.empty(q.shape, dtype=torch.float32)
-    low = torch.empty(q.shape, dtype=torch.float32)
-    next_page = 0
-    for b, n in enumerate(lens):
-        qb, k, v, k_real, v_real = _sequence(spec, gen, 1, n, b >= len(lens) - boundary, kv_dt, scales)
-        q[b] = qb[0]
-        for p in range(pages_per_seq[b]):
-            page = order[next_page]
-            next_page += 1
-            page_table[b, p] = page
-            used = min(ps, n - p * ps)
-            k_cache[page, :used] = k[p * ps: p * ps + used]
-            v_cache[page, :used] = v[p * ps: p * ps + used]
-            if used < ps:  # the last page's unused slots
-                _poison(k_cache[page], used)
-                _poison(v_cache[page], used)
-        ref[b], low[b] = (t[0] for t in _attention(spec, qb, k_real, v_real, sinks, cache=True))
-    to = dict(device=device)
-    scale_tensors = [torch.tensor([s], dtype=torch.float32, **to) for s in scales] if scales else [None, None]
-    return DecodeCase(page_table.to(**to), torch.tensor(lens, dtype=torch.int32, **to), q.to(**to),
-                      k_cache.to(**to), v_cache.to(**to), ref.to(**to), row_errors(low, ref).to(**to),
-                      sinks.to(**to) if sinks is not None else None, *scale_tensors)
-
-
 def make_case(spec: AttentionSpec, phase: str, device: torch.device) -> Case:
-    return prefill_case(spec, device) if phase == "prefill" else decode_case(spec, device)
+    return {"prefill": prefill_case, "decode": decode_case, "extend": extend_case}[phase](spec, device)
 
 
 def single_case(spec: AttentionSpec, phase: str, device: torch.device) -> Case:
     """A batch of one sequence, the other path of many kernels (split counts, grids and schedulers are sized by the
-    batch): prefill, one long prompt; decode, one long context (the most KV splits). Checked after the ragged case."""
+    batch): prefill, one long prompt; decode, one long context (the most KV splits); extend, one chunk over a long
+    prefix. Checked after the ragged case."""
     if phase == "prefill":
         n = 1031 if device.type == "cuda" else 83
         return prefill_case(spec, device, seed=2, lengths=([n], [n]))
+    if phase == "extend":
+        q, n = (257, 4099) if device.type == "cuda" else (13, 157)
+        return extend_case(spec, device, seed=5, lengths=([q], [n]))
     return decode_case(spec, device, seed=3, lengths=[4099 if device.type == "cuda" else 157])
 
 
@@ -315,7 +125,7 @@ def run_kwargs(spec: AttentionSpec, case: Case) -> dict:
     kwargs = {}
     if spec.sinks:
         kwargs["sinks"] = case.sinks
-    if spec.kv_dtype is not None and isinstance(case, DecodeCase):
+    if spec.kv_dtype is not None and isinstance(case, (DecodeCase, ExtendCase)):
         kwargs.update(k_scale=case.k_scale, v_scale=case.v_scale)
     return kwargs
 
@@ -374,7 +184,7 @@ def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
             run = backend.plan_prefill(spec, case.cu_q, case.cu_k, case.max_q, case.max_k)
             inputs = (case.q, case.k, case.v)
         else:
-            run = backend.plan_decode(spec, case.page_table, case.seq_lens)
+            run = case.plan(backend, spec)
             inputs = (case.q, case.k_cache, case.v_cache)
         out = run(*inputs, **run_kwargs(spec, case))
         first = out.clone() if isinstance(out, torch.Tensor) else out

@@ -28,6 +28,7 @@ from .timing import _first_line, capture
 # capture(run, inputs) -> replay: the CUDA-graph capture (tests pass a fake that calls run again)
 Capture = Callable[[Callable, tuple], Callable[[], torch.Tensor]]
 EXTRA_COLUMNS = 4  # the engine's table is wider than the plan's view of it (a column slice)
+MTP_QUERIES = 2  # queries per row in the extend phase's replays (multi-token decode)
 
 
 def cuda_capture(device: torch.device) -> Capture:
@@ -63,8 +64,7 @@ def check(backend, spec: AttentionSpec, phase: str, device: torch.device, captur
         return {"graph_capture": f"cannot serve CUDA-graph replays: {stale}"}
     capture = capture or cuda_capture(device)
     try:
-        steps = _prefill(backend, spec, device, capture) if phase == "prefill" else _decode(backend, spec, device,
-                                                                                              capture)
+        steps = {"prefill": _prefill, "decode": _decode, "extend": _extend}[phase](backend, spec, device, capture)
         for n, (label, case, replay) in enumerate(steps):
             out = replay()
             checked = cases.check_output(spec, out, case)
@@ -77,11 +77,27 @@ def check(backend, spec: AttentionSpec, phase: str, device: torch.device, captur
 
 
 def _decode(backend, spec: AttentionSpec, device: torch.device, capture: Capture):
-    """(label, case, replay) per step; the inputs of each step are written in place before its replay."""
     first = cases.decode_case(spec, device)
     step_cases = [cases.decode_case(spec, device, seed=10 + i, lengths=lens)
                   for i, lens in enumerate(decode_steps(spec, first.seq_lens.tolist()))]
-    every = [first, *step_cases]
+    return _paged(backend, spec, device, capture, [first, *step_cases])
+
+
+def _extend(backend, spec: AttentionSpec, device: torch.device, capture: Capture):
+    """Multi-token decode as engines capture it: every row MTP_QUERIES queries (padding rows too), the contexts
+    moving as in decode's steps (rows crossing pages, a row going from 0 tokens to some and back)."""
+    lens = cases.decode_lengths(spec, device)[0]
+    lens = [n if n == 0 else max(n, MTP_QUERIES) for n in lens]
+    every = [cases.extend_case(spec, device, seed=20, lengths=([MTP_QUERIES] * len(lens), lens))]
+    for i, step in enumerate(decode_steps(spec, lens)):
+        step = [n if n == 0 else max(n, MTP_QUERIES) for n in step]
+        every.append(cases.extend_case(spec, device, seed=21 + i, lengths=([MTP_QUERIES] * len(step), step)))
+    return _paged(backend, spec, device, capture, every)
+
+
+def _paged(backend, spec: AttentionSpec, device: torch.device, capture: Capture, every: list):
+    """(label, case, replay) per step; the inputs of each step are written in place before its replay."""
+    first = every[0]
     batch = len(first.seq_lens)
     width = max(c.page_table.shape[1] for c in every)
     pages = max(c.k_cache.shape[0] for c in every)
@@ -103,11 +119,15 @@ def _decode(backend, spec: AttentionSpec, device: torch.device, capture: Capture
         v_cache[:case.v_cache.shape[0]].copy_(case.v_cache)
 
     write(first)
-    run = backend.plan_decode(spec, view, seq_lens)
+    if isinstance(first, cases.ExtendCase):
+        bound = max(max(c.max_len for c in every), width * spec.page_size)  # the engine's bound: its table's reach
+        run = backend.plan_extend(spec, first.cu_q, view, seq_lens, first.max_q, bound)
+    else:
+        run = backend.plan_decode(spec, view, seq_lens)
     replay = capture(functools.partial(run, **cases.run_kwargs(spec, first)), (q, k_cache, v_cache))
     for case in every:
         write(case)
-        yield f"decode seq_lens {case.seq_lens.tolist()}", case, replay
+        yield f"{case.describe().split(' pages=')[0]}", case, replay
 
 
 def _prefill(backend, spec: AttentionSpec, device: torch.device, capture: Capture):

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..spec import AttentionSpec
-from .cases import cumulative
+from .inputs import cumulative
 
 ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
 MAX_SETS = 1024
@@ -261,6 +261,33 @@ def make_ragged_decode_workload(spec: AttentionSpec, device: torch.device, label
     return Workload(label, (page_table, seq_lens), (q, k_cache, v_cache))
 
 
+def make_extend_workload(spec: AttentionSpec, device: torch.device, requests: int, q_len: int, ctx: int) -> Workload:
+    """``requests`` rows of ``q_len`` queries each over ``ctx`` tokens of context (the queries included), pages
+    shuffled."""
+    ps, dt = spec.page_size, spec.torch_dtype
+    pages = math.ceil(ctx / ps)
+    k_cache = torch.randn(requests * pages, ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
+    k_cache = k_cache.to(spec.kv_torch_dtype)
+    v_cache = _random_like(k_cache)
+    page_table = torch.randperm(requests * pages, device=device).to(torch.int32).view(requests, pages)
+    seq_lens = torch.full((requests,), ctx, dtype=torch.int32, device=device)
+    cu_q = cumulative([q_len] * requests, device)
+    q = torch.randn(requests * q_len, spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
+    return Workload(f"{requests}x{q_len} over {ctx}", (cu_q, page_table, seq_lens, q_len, ctx),
+                    (q, k_cache, v_cache))
+
+
+def make_ragged_extend_workload(spec: AttentionSpec, device: torch.device, q_lens: list[int], lens: list[int]
+                                ) -> Workload:
+    """Rows of ``q_lens`` queries over ``lens`` tokens of context each (the queries included), pages shuffled."""
+    work = make_ragged_decode_workload(spec, device, "", lens)
+    page_table, seq_lens = work.plan_args
+    _, k_cache, v_cache = work.inputs
+    q = torch.randn(sum(q_lens), spec.num_q_heads, spec.head_dim, device=device, dtype=spec.torch_dtype)
+    return Workload(f"{len(lens)} rows, {sum(q_lens)} queries", (cumulative(q_lens, device), page_table, seq_lens,
+                                                                  max(q_lens), max(lens)), (q, k_cache, v_cache))
+
+
 def prefill_flops(spec: AttentionSpec, lens: list[int]) -> float:
     """FLOPs of causal attention (half the square per sequence), 4 per multiply-add pair of the two matmuls."""
     return sum(4 * spec.num_q_heads * spec.head_dim * n * n / (2 if spec.causal else 1) for n in lens)
@@ -294,7 +321,7 @@ def feature_inputs(spec: AttentionSpec, phase: str, device: torch.device) -> dic
     kwargs = {}
     if spec.sinks:
         kwargs["sinks"] = torch.zeros(spec.num_q_heads, dtype=torch.float32, device=device)
-    if spec.kv_dtype is not None and phase == "decode":
+    if spec.kv_dtype is not None and phase != "prefill":
         kwargs.update(k_scale=torch.ones(1, device=device), v_scale=torch.ones(1, device=device))
     return kwargs
 
@@ -305,7 +332,11 @@ def _nbytes(tensors) -> int:
 
 def rotated_workloads(spec: AttentionSpec, phase: str, shape, device: torch.device) -> tuple[tuple, list[tuple]]:
     """(plan_args, input sets) of one bucket: one plan, several input sets of the same shapes (HBM rotation)."""
-    if phase == "prefill":
+    if phase == "extend" and isinstance(shape[0], list):  # (queries per row, contexts per row)
+        first = make_ragged_extend_workload(spec, device, *shape)
+    elif phase == "extend":
+        first = make_extend_workload(spec, device, *shape)
+    elif phase == "prefill":
         first = make_prefill_workload(spec, device, "", shape)
     elif isinstance(shape, list):
         first = make_ragged_decode_workload(spec, device, "", shape)

@@ -8,7 +8,8 @@ import math
 import torch
 
 from ..spec import AttentionSpec
-from .cases import _attention
+from .extend_grid import extend_spot_rows
+from .inputs import _attention
 from .yardstick import row_errors, row_tolerance, worst_row
 
 SPOT_SEQS = 4  # timed outputs: sequences checked per prefill batch
@@ -47,7 +48,9 @@ def spot_reference(spec: AttentionSpec, phase: str, plan_args: tuple, inputs: tu
     """
     sinks = kwargs.get("sinks")
     rows, refs, lows = [], [], []
-    if phase == "prefill":
+    if phase == "extend":
+        rows, refs, lows = extend_spot_rows(spec, plan_args, inputs, kwargs)
+    elif phase == "prefill":
         cq, ck = plan_args[0].tolist(), plan_args[1].tolist()
         q, k, v = inputs
         lens = [cq[i + 1] - cq[i] for i in range(len(cq) - 1)]

@@ -47,12 +47,15 @@ from ..spec import AttentionSpec
 from . import TIMING_TASK  # noqa: F401 (timing.TIMING_TASK: the worker's and the selector's name for it)
 from .cases import clear_output
 from .spot import spot_compare, spot_reference
+from ..backends import planner
+from .extend_grid import EXTEND_AXES, extend_grid, extend_label
 from .grid import (DECODE_AXES, PREFILL_AXES, decode_grid, device_sms, feature_inputs, prefill_grid, prefill_key,
                    prefill_label, ragged_decode_grid, ragged_key, rotated_workloads)
 from .grid import RAGGED_SKEW  # noqa: F401  selection.py reads it as timing.RAGGED_SKEW
 from .host_probe import host_probe, host_reference
 
 log = logging.getLogger(__name__)
+AXES = {"prefill": PREFILL_AXES, "decode": DECODE_AXES, "extend": EXTEND_AXES}
 
 GRID_VERSION = 8  # part of the dispatch-table cache key: bump when the grid or the timing rules change
 REPS = 7  # samples per candidate and bucket under CUDA graphs
@@ -144,7 +147,7 @@ class _Timed:
 
 def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple], mode: str,
              device: torch.device) -> _Timed:
-    plan = backend.plan_prefill if phase == "prefill" else backend.plan_decode
+    plan = planner(backend, phase)
     run = functools.partial(plan(spec, *plan_args), **feature_inputs(spec, phase, device))
     if mode == "graph":
         graph, outs = capture(run, sets, device)
@@ -340,7 +343,9 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     t0 = time.perf_counter()
     cands = {name: backends.get(name) for name in names}
     if grid is None:
-        if phase == "prefill":
+        if phase == "extend":
+            grid = extend_grid(spec, device, _free_bytes(device), mode)
+        elif phase == "prefill":
             grid = [(lvl, lens) for lvl, lens in prefill_grid(spec, device)]
         else:
             free = _free_bytes(device)
@@ -353,7 +358,9 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     coarse: list[dict] = []
     for level, shape in grid:
         ragged = phase == "decode" and isinstance(shape, list)  # a decode batch's context lengths
-        if phase == "prefill":
+        if phase == "extend":
+            key, label = tuple(shape), extend_label(shape)
+        elif phase == "prefill":
             key, label = prefill_key(shape), prefill_label(shape)
         elif ragged:
             key = ragged_key(shape)
@@ -387,7 +394,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             b["host"] = b["host_us"] / reference
     wall = time.perf_counter() - t0
     return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
-            "axes": list(PREFILL_AXES if phase == "prefill" else DECODE_AXES), "reps": reps, "buckets": buckets,
+            "axes": list(AXES[phase]), "reps": reps, "buckets": buckets,
             "skipped": skipped, "pruned": pruned, "wall_s": wall,
             "counted_s": _counted(wall, steps, allowance), "steps_s": steps}
 

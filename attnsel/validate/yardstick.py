@@ -100,7 +100,7 @@ def careful_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if fp8:
         grouped = q.view(lq, k.shape[1], heads // k.shape[1], q.shape[-1])
         q_scale = (grouped.abs().amax(dim=(2, 3), keepdim=True) / FP8_MAX).clamp_min(1e-12)
-        q = ((grouped / q_scale).to(torch.float8_e4m3fn).float() * q_scale).view(lq, heads, -1)
+        q = ((grouped / q_scale).to(torch.float8_e4m3fn).float() * q_scale).view(lq, heads, q.shape[-1])
     scores = _scores(q, k, scale, causal, window, softcap, torch.float32)
     top = scores.amax(-1, keepdim=True)
     if sinks is not None:

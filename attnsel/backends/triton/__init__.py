@@ -1,4 +1,5 @@
-"""triton: our own kernels (kernels.py). Always there when FA3 and FlashInfer are not, so it has to be fast.
+"""triton: our own kernels (kernels.py; the extend phase's plan: extend.py). Always there when FA3 and FlashInfer
+are not, so it has to be fast.
 
 Runs compiled on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, for tests).
 """
@@ -81,7 +82,7 @@ MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded
 def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
                   sms: int | None) -> tuple[int, int, int]:
     """(num_splits, target, min_chunk) of a decode plan: the grid's split axis, the programs the kernel aims at, and
-    the fewest tokens a split reads (kernels.decode_kernel computes each row's splits from these and the lengths
+    the fewest tokens a split reads (kernels.paged_kernel computes each row's splits from these and the lengths
     it reads at run time).
 
     The batch's tokens (``total_len``, summed over rows, each at most the window) are cut into chunks of
@@ -145,9 +146,13 @@ class TritonBackend:
         if spec.head_dim > MAX_HEAD_DIM or spec.head_dim % 8:
             reasons.append(f"head_dim {spec.head_dim} is not supported (multiples of 8 up to {MAX_HEAD_DIM})")
         supported = {"sliding_window", "softcap", "sinks", "kv_dtype", "non_causal"}
+        why = {}
+        if phase == "extend":  # each query sees the keys up to its own position
+            supported.discard("non_causal")
+            why["non_causal"] = "extend runs causal: a query sees the keys up to its position"
         if spec.sliding_window is not None and not spec.causal:
             reasons.append("a sliding window with non-causal attention is not supported (the window is causal)")
-        reasons += feature_reasons(spec, phase, supported)
+        reasons += feature_reasons(spec, phase, supported, why)
         return joined(reasons)
 
     def plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -184,7 +189,7 @@ class TritonBackend:
         return run
 
     def plan_decode(self, spec: AttentionSpec, page_table: torch.Tensor, seq_lens: torch.Tensor) -> RunFn:
-        from .kernels import decode_kernel, decode_reduce_kernel
+        from .kernels import paged_kernel, paged_reduce_kernel
 
         cfg = decode_config(spec.head_dim)
         batch = seq_lens.numel()
@@ -246,25 +251,33 @@ class TritonBackend:
             support.refresh_captured((refresh_table, refresh_lens), q)
             merge = merge_ok and not support.capturing(q)
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
-            decode_kernel[(batch, spec.num_kv_heads, splits)](
+            paged_kernel[(batch, spec.num_kv_heads, splits)](
                 q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, arrived, sinks,
                 k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, target, min_chunk, batch, heads,
                 q.stride(0), q.stride(-2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
-                out.stride(0), out.stride(-2), *part_strides,
+                out.stride(0), out.stride(-2), *part_strides, None, 1,
                 GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
                 PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
                 BLOCK_B=block_b, BLOCK_S=block_s, MERGE=merge, WINDOW=window, SOFTCAP=softcap,
-                HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast,
+                HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast, BLOCK_Q=1,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if splits > 1 and not merge:
-                decode_reduce_kernel[(batch, heads)](
+                paged_reduce_kernel[(batch, heads)](
                     out, o_part, lse_part, sinks, splits, heads, out.stride(0), out.stride(-2), *part_strides,
+                    None, 1,
                     HEAD_DIM=spec.head_dim, BLOCK_D=block_d, BLOCK_S=block_s,
                     HAS_SINKS=sinks is not None, num_warps=4)
             return out
 
         return run
+
+    def plan_extend(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor,
+                    seq_lens: torch.Tensor, max_seqlen_q: int, max_seq_len: int) -> RunFn:
+        """Ragged queries over the paged cache on decode's kernel (extend.py)."""
+        from .extend import plan_extend
+
+        return plan_extend(spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len)
 
 
 def triton_next_pow2(n: int) -> int:
