@@ -63,7 +63,7 @@ from .flash_checks import (
 )
 from .flash_masks import UnsupportedArgument
 from .graph_selection import GRAPH, check_may_select
-from .selection import Selection, select
+from .selection import Selection, announce, select
 from .settings import Settings
 from .spec import AttentionSpec, SpecError, dtype_name
 
@@ -132,6 +132,7 @@ class FlashAttention:
                     **self._options,
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
+            announce(spec, device, opts.get("cache_dir"))
             sel = select(spec, opts.pop("prefill"), opts.pop("decode"), opts.pop("extend"), device=str(device),
                          **opts)
             log.info("attnsel for %s on %s (%s): prefill: %s, decode: %s, extend: %s", spec.describe(), device,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import sys
 from typing import Literal
 
 import torch
@@ -307,6 +308,16 @@ class Selection:
                 text += f", dispatch over {len(choice.table.buckets)} buckets ({wins})"
             parts.append(text)
         return "; ".join(parts)
+
+
+def announce(spec: AttentionSpec, device, cache_dir: str | None = None) -> None:
+    """One line on stderr before an integration's first selection of a kind of call: it can take seconds (validation
+    and timing in a worker) on a cold cache, and an engine's first request would otherwise block in silence."""
+    from .cache import ResultCache
+
+    sys.stderr.write(f"attnsel: choosing the attention backends for {spec.describe()} on {device}: validated against "
+                     f"a float32 reference and timed, or read from the result cache ({ResultCache(cache_dir).path}); "
+                     "once per kind of call\n")
 
 
 def default_device() -> str:

@@ -938,3 +938,19 @@ def mutable_globals(module) -> list[str]:
     names = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
     return [n for n in names if isinstance(getattr(module, n), (dict, list, set))]
+
+
+def test_the_first_call_of_a_kind_says_on_stderr_what_it_is_doing(capfd, tmp_path, monkeypatch):
+    """The first call of a new kind selects (seconds on a cold cache): one line on stderr says what and where the
+    result is cached; a second call of that kind says nothing."""
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    fa = flash_api.FlashAttention(prefill="torch", decode="torch", extend="torch")
+    q = torch.randn(5, 4, 64)
+    k = torch.randn(5, 2, 64)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    fa.flash_attn_varlen_func(q, k, k.clone(), cu, cu, 5, 5, causal=True)
+    err = capfd.readouterr().err
+    assert err.count("attnsel: choosing the attention backends for 4/2 heads, head_dim 64, fp32") == 1
+    assert str(tmp_path) in err and "once per kind of call" in err
+    fa.flash_attn_varlen_func(q, k, k.clone(), cu, cu, 5, 5, causal=True)
+    assert "choosing" not in capfd.readouterr().err

@@ -42,6 +42,7 @@ from .. import AttentionSpec, Selection, SelectionError, SpecError, select
 from ..run_checks import plan_is_current
 from ..settings import Settings
 from ..graph_selection import check_may_select
+from ..selection import announce
 from ..spec import DTYPES, dtype_name
 from . import hf_fallback
 from .hf_extend import PrefixReads, paged_extend, paged_page_table
@@ -106,6 +107,7 @@ class HFAttention:
                     **self.options,
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
+            announce(spec, device, opts.get("cache_dir"))
             sel = select(spec, opts.pop("prefill"), opts.pop("decode"), opts.pop("extend"), device=str(device),
                          **opts)
             log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
