@@ -116,3 +116,16 @@ def test_extend_validation_gives_q_padding_rows_past_cu_seqlens_q():
         except Exception as exc:  # validation's worker records a raising candidate as rejected
             verdicts.append(f"rejected ({type(exc).__name__})")
     assert any(v.startswith("rejected") for v in verdicts), verdicts
+
+
+def test_extend_fixture_flags_wrong_outputs_on_queries_before_the_first_key():
+    """tests/fixtures/extend_cases.row_failures judges the branch's extend tests. A row with 0 < seq_len < q_len has
+    queries before its first key (FlashAttention's and every backend's answer there: zeros). The fixture's reference
+    is NaN on those queries, so the row's tolerance comes out inf and any finite output passes."""
+    from tests.fixtures.extend_cases import make_batch, row_failures
+
+    batch = make_batch(SPEC, [(5, 2), (2, 9)])
+    out = batch.plan(TORCH)(batch.q, batch.k_cache, batch.v_cache)
+    assert row_failures(batch, out) == []
+    out[:3] = 7.0  # the 3 queries of row 0 that see no key: garbage instead of zeros
+    assert row_failures(batch, out), "garbage on queries that see no key passed the fixture's check"
