@@ -60,7 +60,9 @@ class WindowOffByOneOnChunks:
         chunk_token = torch.repeat_interleave(q_lens > 3, q_lens)
 
         def run(q, k, v, **kw):
-            return torch.where(chunk_token[:, None, None], wrong(q, k, v, **kw), right(q, k, v, **kw))
+            pad = torch.zeros(q.shape[0] - chunk_token.shape[0], dtype=torch.bool)  # q's padding rows
+            chosen = torch.cat([chunk_token, pad])
+            return torch.where(chosen[:, None, None], wrong(q, k, v, **kw), right(q, k, v, **kw))
 
         return run
 

@@ -128,7 +128,7 @@ class BrokenPlugin:
     def plan_prefill(self, *args, **kwargs) -> RunFn:
         raise RuntimeError(self.reason)
 
-    plan_decode = plan_prefill
+    plan_decode = plan_extend = plan_prefill
 
 
 def _load_object(target: str):

@@ -165,6 +165,10 @@ def clear_output(out, inputs) -> None:
         out.fill_(float("nan"))
 
 
+def _judged(case: Case, out):
+    return case.judged(out) if isinstance(case, ExtendCase) else out
+
+
 def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
     """Plan one backend on a validation case and run the plan twice; returns the second output.
 
@@ -187,9 +191,9 @@ def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
             run = case.plan(backend, spec)
             inputs = (case.q, case.k_cache, case.v_cache)
         out = run(*inputs, **run_kwargs(spec, case))
-        first = out.clone() if isinstance(out, torch.Tensor) else out
+        first = _judged(case, out).clone() if isinstance(out, torch.Tensor) else out
         clear_output(out, _inputs(case).values())  # `out` is held until the second run returns
-        second = run(*inputs, **run_kwargs(spec, case))
+        second = _judged(case, run(*inputs, **run_kwargs(spec, case)))
         if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and (
                 first.shape == second.shape == case.ref.shape):
             case.rerun_diff = _row_difference(first, second)

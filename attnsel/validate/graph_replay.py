@@ -28,7 +28,8 @@ from .timing import _first_line, capture
 # capture(run, inputs) -> replay: the CUDA-graph capture (tests pass a fake that calls run again)
 Capture = Callable[[Callable, tuple], Callable[[], torch.Tensor]]
 EXTRA_COLUMNS = 4  # the engine's table is wider than the plan's view of it (a column slice)
-MTP_QUERIES = 2  # queries per row in the extend phase's replays (multi-token decode)
+MTP_QUERIES = 2  # queries per row in the extend phase's first replay (multi-token decode)
+MAX_QUERIES = 3  # the most queries of a row in the later replays (speculative verify)
 
 
 def cuda_capture(device: torch.device) -> Capture:
@@ -67,7 +68,7 @@ def check(backend, spec: AttentionSpec, phase: str, device: torch.device, captur
         steps = {"prefill": _prefill, "decode": _decode, "extend": _extend}[phase](backend, spec, device, capture)
         for n, (label, case, replay) in enumerate(steps):
             out = replay()
-            checked = cases.check_output(spec, out, case)
+            checked = cases.check_output(spec, case.judged(out) if isinstance(case, cases.ExtendCase) else out, case)
             if checked["status"] != "valid":
                 return {"graph_capture": f"wrong under CUDA graph replay ({label}, replay {n + 1}): "
                                          f"{checked['reason']}"}
@@ -84,14 +85,17 @@ def _decode(backend, spec: AttentionSpec, device: torch.device, capture: Capture
 
 
 def _extend(backend, spec: AttentionSpec, device: torch.device, capture: Capture):
-    """Multi-token decode as engines capture it: every row MTP_QUERIES queries (padding rows too), the contexts
-    moving as in decode's steps (rows crossing pages, a row going from 0 tokens to some and back)."""
+    """Multi-token decode and verify as engines capture them: first every row MTP_QUERIES queries (padding rows
+    too), then each row 0 to MAX_QUERIES queries, moved between rows at every step (cu_seqlens_q rewritten in place
+    within the plan's max_seqlen_q), the contexts moving as in decode's steps (rows crossing pages, a row going from
+    0 tokens to some and back)."""
     lens = cases.decode_lengths(spec, device)[0]
-    lens = [n if n == 0 else max(n, MTP_QUERIES) for n in lens]
-    every = [cases.extend_case(spec, device, seed=20, lengths=([MTP_QUERIES] * len(lens), lens))]
+    every = [cases.extend_case(spec, device, seed=20, lengths=([MTP_QUERIES] * len(lens),
+                                                                [n if n == 0 else max(n, MTP_QUERIES) for n in lens]))]
     for i, step in enumerate(decode_steps(spec, lens)):
-        step = [n if n == 0 else max(n, MTP_QUERIES) for n in step]
-        every.append(cases.extend_case(spec, device, seed=21 + i, lengths=([MTP_QUERIES] * len(step), step)))
+        q_lens = [(b + i + 1) % (MAX_QUERIES + 1) for b in range(len(step))]
+        step = [n if n == 0 else max(n, q) for n, q in zip(step, q_lens)]
+        every.append(cases.extend_case(spec, device, seed=21 + i, lengths=(q_lens, step)))
     return _paged(backend, spec, device, capture, every)
 
 
@@ -104,7 +108,8 @@ def _paged(backend, spec: AttentionSpec, device: torch.device, capture: Capture,
     table = torch.full((batch, width + EXTRA_COLUMNS), -1, dtype=torch.int32, device=device)
     view = table[:, :width]  # the plan's page table: a column slice, as engines pass their block tables
     seq_lens = torch.empty(batch, dtype=torch.int32, device=device)
-    q = torch.empty_like(first.q)
+    q = torch.empty((max(c.q.shape[0] for c in every), *first.q.shape[1:]), dtype=first.q.dtype, device=device)
+    cu_q = first.cu_q.clone() if isinstance(first, cases.ExtendCase) else None
     nan_pages = torch.full((pages, *first.k_cache.shape[1:]), float("nan"), device=device).to(first.k_cache.dtype)
     k_cache, v_cache = nan_pages.clone(), nan_pages.clone()
 
@@ -112,7 +117,10 @@ def _paged(backend, spec: AttentionSpec, device: torch.device, capture: Capture,
         table.fill_(-1)
         view[:, :case.page_table.shape[1]].copy_(case.page_table)
         seq_lens.copy_(case.seq_lens)
-        q.copy_(case.q)
+        q.fill_(float("nan"))  # rows past this step's queries: padding
+        q[:case.q.shape[0]].copy_(case.q)
+        if cu_q is not None:
+            cu_q.copy_(case.cu_q)
         k_cache.copy_(nan_pages)  # pages no row of this step owns hold NaN
         v_cache.copy_(nan_pages)
         k_cache[:case.k_cache.shape[0]].copy_(case.k_cache)
@@ -121,7 +129,7 @@ def _paged(backend, spec: AttentionSpec, device: torch.device, capture: Capture,
     write(first)
     if isinstance(first, cases.ExtendCase):
         bound = max(max(c.max_len for c in every), width * spec.page_size)  # the engine's bound: its table's reach
-        run = backend.plan_extend(spec, first.cu_q, view, seq_lens, first.max_q, bound)
+        run = backend.plan_extend(spec, cu_q, view, seq_lens, max(c.max_q for c in every), bound)
     else:
         run = backend.plan_decode(spec, view, seq_lens)
     replay = capture(functools.partial(run, **cases.run_kwargs(spec, first)), (q, k_cache, v_cache))

@@ -2,7 +2,8 @@
 each sequence's last tokens, over its cached prefix: chunked prefill, prompt-cache hits, multi-token decode).
 
 Both are built by ``inputs.paged``, so both carry the paged-cache traps (inputs.py); extend adds rows with no query,
-fresh prompts (no prefix), prefixes ending mid-page and graph-padding rows (context 0) whose queries give zeros.
+fresh prompts (no prefix), prefixes ending mid-page and graph-padding rows (context 0) whose queries give zeros; q
+has PAD_ROWS rows of NaN past the last offset (engines pad q under CUDA graphs; their output is not judged).
 """
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ class DecodeCase:
         return f"{self.sequence_of_row(row)}, {where} (row {row})"
 
 
+PAD_ROWS = 3  # q rows past cu_seqlens_q[-1] in extend cases
+
+
 @dataclasses.dataclass
 class ExtendCase:
     cu_q: torch.Tensor  # int32 [batch + 1]
@@ -72,6 +76,12 @@ class ExtendCase:
 
     def plan(self, backend, spec: AttentionSpec):
         return backend.plan_extend(spec, self.cu_q, self.page_table, self.seq_lens, self.max_q, self.max_len)
+
+    def judged(self, out):
+        """The rows of an output that are judged: those of the queries (q's padding rows past the last offset are
+        not)."""
+        rows = self.ref.shape[0]
+        return out[:rows] if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] > rows else out
 
     def describe(self) -> str:
         lq = (self.cu_q[1:] - self.cu_q[:-1]).tolist()
@@ -132,8 +142,13 @@ def extend_lengths(spec: AttentionSpec, device: torch.device) -> tuple[list[int]
         q = [7, 0, 2, 2, 5, 9, 11]
         n = [7, 9, ps + 1, 0, 2 * ps + 3 + 5, 9 + 3, 157]
     w = spec.sliding_window
-    boundary = [m for m in (w - 1, w + 1, w + 2 * ps + 3) if m >= 3] if w is not None else []
-    return q + [3] * len(boundary), n + boundary, len(boundary)
+    if w is None:
+        return q, n, 0
+    # boundary rows: 3 queries around the window's reach, and a chunk whose first half sees its whole prefix and whose
+    # second half is cut by the window (chunk kernels take other paths than few-query rows)
+    chunk = 61 if device.type == "cuda" else 11
+    short = [m for m in (w - 1, w + 1, w + 2 * ps + 3) if m >= 3]
+    return q + [3] * len(short) + [chunk], n + short + [w + chunk // 2], len(short) + 1
 
 
 def extend_case(spec: AttentionSpec, device: torch.device, seed: int = 4,
@@ -145,7 +160,8 @@ def extend_case(spec: AttentionSpec, device: torch.device, seed: int = 4,
         raise ValueError(f"extend_case: {len(q_lens)} query lengths for {len(lens)} context lengths")
     built = paged(spec, gen, lens, q_lens, boundary)
     to = dict(device=device)
+    q = torch.cat([built.q, torch.full((PAD_ROWS, *built.q.shape[1:]), float("nan"), dtype=built.q.dtype)])
     return ExtendCase(cumulative(q_lens, device), built.page_table.to(**to), torch.tensor(lens, dtype=torch.int32, **to),
-                      max(q_lens, default=0), max(lens, default=0), built.q.to(**to), built.k_cache.to(**to),
+                      max(q_lens, default=0), max(lens, default=0), q.to(**to), built.k_cache.to(**to),
                       built.v_cache.to(**to), built.ref.to(**to), row_errors(built.low, built.ref).to(**to),
                       built.sinks.to(**to) if built.sinks is not None else None, *scale_tensors(spec, device))

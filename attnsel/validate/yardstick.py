@@ -81,7 +81,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :lk]
     else:
         probs = scores.softmax(-1)
-    return _times_v(probs, v.to(dtype))
+    # a query that sees no key (the first queries of a row with fewer keys than queries) and no sink: zeros, as the
+    # backends give (softmax over nothing but -inf is NaN)
+    return _times_v(probs.nan_to_num(nan=0.0), v.to(dtype))
 
 
 def careful_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, *,
