@@ -11,3 +11,14 @@ class InvalidArgument(AttnselError, ValueError):
     """An argument, option or path attnsel refuses (select's policy, mode, timeouts, device; a cache directory that
     cannot be one; a model directory that is none), or a request this installation cannot serve (a missing serving
     package)."""
+
+
+class SpecError(AttnselError, ValueError):
+    """A spec field or config file is invalid; the message names the field and what is allowed.
+
+    ``field``: the AttentionSpec field the error is about, when there is one (the CLI names the flag that
+    overrides it)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
