@@ -733,3 +733,16 @@ def test_flash_api_metadata_checks_raise_invalid_argument():
     with pytest.raises(InvalidArgument, match="give both k and v"):
         attnsel.flash_attn_with_kvcache(q[:1].unsqueeze(1), cache, cache, k=q[:1].unsqueeze(1), cache_seqlens=3,
                                         page_table=table, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_index_past_the_device_count_is_exit_3(capsys):
+    """The GPU side of --device cuda without CUDA: an index this machine does not have is not bad input either."""
+    import torch
+
+    count = torch.cuda.device_count()
+    code, out, err = run(capsys, "report", *SMALL, "--device", f"cuda:{count}", "--policy", "priority")
+    assert (code, out) == (3, "")
+    assert err.strip() == (f"attnsel: cannot run: device 'cuda:{count}' was requested but this machine has {count} "
+                           "CUDA device(s)")
