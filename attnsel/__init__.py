@@ -5,13 +5,33 @@ the per-layer run functions), and the errors a user can see: ``SpecError`` (a ba
 ``UnknownBackendError`` (a backend name that is not registered) and ``SelectionError`` (a phase cannot be served).
 ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``: FlashAttention-3-compatible calls over the selection
 (``UnsupportedArgument``: a FlashAttention argument attnsel does not serve was given).
+
+The names load on first use (``import attnsel`` imports no torch), so that ``attnsel --version`` and ``--help``
+start at once; submodules load the same way (``attnsel.spec``).
 """
+import importlib
+import importlib.util
+
 __version__ = "0.2.0"
 
-from .backends import UnknownBackendError  # noqa: E402
-from .flash_api import UnsupportedArgument, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
-from .selection import Selection, SelectionError, select  # noqa: E402
-from .spec import AttentionSpec, SpecError  # noqa: E402
+# public name -> the module that defines it
+_EXPORTS = {"AttentionSpec": "spec", "SpecError": "spec", "Selection": "selection", "SelectionError": "selection",
+            "select": "selection", "UnknownBackendError": "backends", "UnsupportedArgument": "flash_api",
+            "flash_attn_varlen_func": "flash_api", "flash_attn_with_kvcache": "flash_api"}
 
 __all__ = ["AttentionSpec", "Selection", "SelectionError", "SpecError", "UnknownBackendError", "select",
            "UnsupportedArgument", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # once: later lookups do not come here
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)  # a submodule not imported yet
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

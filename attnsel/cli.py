@@ -1,5 +1,6 @@
 """`attnsel report | select | bench | cache | serve`: exit 0 on success, 2 for bad input (attnsel's own errors), 3 when
-a phase cannot be served (or no CUDA device for `bench`, `--mode graph`), 1 when stdout cannot take the output."""
+this machine cannot do it (a phase cannot be served; no CUDA device for `bench`, `--mode graph`, `--device cuda`;
+serve's extra missing), 1 for an internal error (a bug, with its traceback) or when stdout cannot take the output."""
 from __future__ import annotations
 
 import argparse
@@ -7,18 +8,20 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.logging import RichHandler
-from rich.table import Table
+from . import __version__, errors, settings
+from .cli_stdout import MarkedStdout, StdoutError
+from .errors import CannotRun, SpecError
 
-from . import __version__, backends, bench_args, errors, serve, settings
-from .backends import UnknownBackendError
-from .bench_args import comma_names as _names
-from .cache import ResultCache
-from .render import choice_line, json_text, print_report, report_json
-from .selection import AUTO, DEFAULT_PRIORITY, MODES, POLICIES, Selection, SelectionError, select
-from .spec import DTYPES, KV_DTYPES, AttentionSpec, LayerKind, SpecError, layer_specs, short_dtype_name
+if TYPE_CHECKING:  # the commands import what they use when they run: --version and --help import no torch
+    from rich.console import Console
+
+    from .selection import Selection
+    from .spec import AttentionSpec, LayerKind
+
+    LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
 
 log = logging.getLogger("attnsel")
 # AttentionSpec field -> its flag; -> its argparse dest
@@ -28,21 +31,27 @@ FIELD_FLAGS = {"num_q_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "
 FIELD_DESTS = {"num_q_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "dtype": "dtype",
                "page_size": "page_size", "sliding_window": "sliding_window", "softcap": "softcap", "sinks": "sinks",
                "kv_dtype": "kv_dtype", "softmax_scale": "softmax_scale"}
-BACKEND_FLAGS = {"prefill": "--llm_prefill_att_backend", "decode": "--llm_decode_att_backend",
-                 "extend": "--extend-backend"}
-EXIT_OUTPUT, EXIT_USAGE, EXIT_UNSERVED = 1, 2, 3  # 1: stdout could not take the output
-LayerSpecs = list[tuple[LayerKind, AttentionSpec, list[int]]]
+# phase -> its flag, then LightLLM's name for it (an alias)
+BACKEND_FLAGS = {"prefill": ("--prefill-backend", "--llm_prefill_att_backend"),
+                 "decode": ("--decode-backend", "--llm_decode_att_backend"), "extend": ("--extend-backend",)}
+EXIT_OUTPUT, EXIT_USAGE, EXIT_UNSERVED = 1, 2, 3  # 1: stdout could not take the output (and a bug's traceback)
 
 
 class UsageError(errors.AttnselError, ValueError):
     """A flag's value the command refuses (exit 2)."""
 
 
-class CannotRun(errors.AttnselError, RuntimeError):
-    """The input is fine but this machine cannot do it (exit 3): `bench` or `--mode graph` without a CUDA device."""
+def seconds(text: str) -> float:
+    """A flag's number of seconds; argparse's message names the flag and what is allowed (positive: run_selection)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (e.g. 600), got {text!r}") from None
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
+    from .spec import DTYPES, KV_DTYPES, short_dtype_name
+
     g = p.add_argument_group("model attention shape (from --config, flags override)")
     g.add_argument("--config", metavar="PATH", help="Hugging Face config.json of the model, or its directory")
     g.add_argument("--num-heads", type=int, help="query heads (num_attention_heads)")
@@ -60,17 +69,21 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
+    from . import backends
+    from .bench_args import comma_names as _names
+    from .selection import DEFAULT_PRIORITY, MODES, POLICIES
+
     opt_in = [n for n in backends.BUILTINS if not any(n in DEFAULT_PRIORITY[ph] for ph in DEFAULT_PRIORITY)]
     g = p.add_argument_group("selection", f"built-in backends: {', '.join(backends.BUILTINS)}. 'auto' "
                                           f"tries all but {', '.join(opt_in)} (opt-in: name them in "
                                           "--prefill-priority/--decode-priority or as the backend). Plugins from "
                                           "$ATTNSEL_BACKENDS or entry points add theirs; `attnsel report` shows the "
                                           "candidates of a selection")
-    g.add_argument("--llm_prefill_att_backend", "--prefill-backend", dest="prefill",
+    g.add_argument(*BACKEND_FLAGS["prefill"], dest="prefill",
                    help="'auto' (default; $ATTNSEL_PREFILL_BACKEND) or a backend name")
-    g.add_argument("--llm_decode_att_backend", "--decode-backend", dest="decode",
+    g.add_argument(*BACKEND_FLAGS["decode"], dest="decode",
                    help="'auto' (default; $ATTNSEL_DECODE_BACKEND) or a backend name")
-    g.add_argument("--extend-backend", dest="extend",
+    g.add_argument(*BACKEND_FLAGS["extend"], dest="extend",
                    help="ragged queries over the paged cache (chunked prefill, prompt-cache hits, multi-token "
                         "decode): 'auto' (default; $ATTNSEL_EXTEND_BACKEND) or a backend name")
     g.add_argument("--policy", choices=POLICIES, default="measure",
@@ -80,7 +93,7 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-priority", type=_names, metavar="A,B,...", help="auto candidates for prefill, in order")
     g.add_argument("--decode-priority", type=_names, metavar="A,B,...", help="auto candidates for decode, in order")
     g.add_argument("--extend-priority", type=_names, metavar="A,B,...", help="auto candidates for extend, in order")
-    g.add_argument("--timeout", type=float, metavar="S",
+    g.add_argument("--timeout", type=seconds, metavar="S",
                    help="seconds per candidate in the validation worker (default $ATTNSEL_VALIDATION_TIMEOUT or 600)")
     g.add_argument("--device", help="torch device to validate on (default: cuda if present, else cpu)")
     add_cache_dir_arg(g)
@@ -119,6 +132,8 @@ def _named(exc: SpecError, given: dict, from_config: bool) -> SpecError:
 def layer_specs_from_args(args: argparse.Namespace) -> LayerSpecs:
     """One (kind, spec, layer indices) per distinct layer kind of --config, flags overriding it in every layer;
     flags alone give one kind."""
+    from .spec import AttentionSpec, layer_specs
+
     given = _given(args)
     window = getattr(args, "sliding_window", None)
     if window is not None and window < 1:  # the spec's own message says None, which no command line can pass
@@ -152,12 +167,13 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
 
 def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str]:
     """(value, where it came from in words): the flag, else the environment variable, else auto."""
-    flag = BACKEND_FLAGS[phase]
+    from .selection import AUTO
+
+    flag = BACKEND_FLAGS[phase][0]
     value = getattr(args, phase)
-    if value is not None:
-        alias = f"--{phase}-backend"  # argparse takes unambiguous prefixes too: name the flag they stand for
+    if value is not None:  # argparse takes unambiguous prefixes too: name the flag they stand for
         typed = [f for a in getattr(args, "argv", []) if a.startswith("--") and len(a.split("=", 1)[0]) > 2
-                 for f in (flag, alias) if f.startswith(a.split("=", 1)[0])]
+                 for f in BACKEND_FLAGS[phase] if f.startswith(a.split("=", 1)[0])]
         return value, (typed[-1] if typed else flag)  # the last one given wins in argparse
     env, value = settings.ENV[f"{phase}_backend"], settings.read(f"{phase}_backend")
     if value != AUTO:
@@ -167,13 +183,16 @@ def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str]:
 
 def _check_backend_choice(where: str, value: str, allow_auto: bool = True) -> None:
     """UnknownBackendError naming ``where`` (a flag or an environment variable) when value is not a backend."""
+    from . import backends
+    from .selection import AUTO
+
     valid = ([AUTO] if allow_auto else []) + backends.names()
     if value not in valid:
-        raise UnknownBackendError(f"{where}: unknown backend {value!r}; valid: {', '.join(valid)}")
+        raise backends.UnknownBackendError(f"{where}: unknown backend {value!r}; valid: {', '.join(valid)}")
 
 
 def check_backend_args(args: argparse.Namespace) -> None:
-    """Resolve --llm_*_att_backend from the environment and check every backend name given, naming its source."""
+    """Resolve --prefill-backend etc. from the environment and check every backend name given, naming its source."""
     for phase in ("prefill", "decode", "extend"):
         value, where = _backend_choice(args, phase)
         _check_backend_choice(where, value)
@@ -183,6 +202,8 @@ def check_backend_args(args: argparse.Namespace) -> None:
 
 
 def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -> Selection:
+    from .selection import select
+
     spec = spec if spec is not None else spec_from_args(args)
     check_backend_args(args)
     if args.timeout is not None and not args.timeout > 0:
@@ -205,6 +226,10 @@ def _label(kind: str, layers: list[int]) -> str:
 
 def _select_each(args: argparse.Namespace, kinds: LayerSpecs) -> list[Selection | SelectionError]:
     """The selection of every layer kind, or why it cannot be served (also printed on stderr)."""
+    from rich.console import Console
+
+    from .selection import SelectionError
+
     err = Console(stderr=True)
     results = []
     for kind, spec, layers in kinds:
@@ -219,6 +244,12 @@ def _select_each(args: argparse.Namespace, kinds: LayerSpecs) -> list[Selection 
 
 def cmd_report(args: argparse.Namespace, out: Console) -> int:
     """The report of every layer kind; a kind that cannot be served still shows what was found (exit 3)."""
+    from rich.console import Console
+
+    from .render import json_text, print_report, report_json
+    from .selection import SelectionError
+    from .serve import layer_ranges
+
     kinds = layer_specs_from_args(args)
     results = _select_each(args, kinds)
     code = EXIT_UNSERVED if any(isinstance(r, SelectionError) for r in results) else 0
@@ -242,7 +273,7 @@ def cmd_report(args: argparse.Namespace, out: Console) -> int:
     out = Console()  # fits the terminal (80 columns when not a terminal and COLUMNS is unset)
     for (kind, _, layers), res, sel in zip(kinds, results, found):
         if len(kinds) > 1:
-            out.print(f"\n[bold]{_label(kind, layers)}[/]: layers {serve.layer_ranges(layers)}")
+            out.print(f"\n[bold]{_label(kind, layers)}[/]: layers {layer_ranges(layers)}")
         if sel is not None:
             print_report(sel, args, out)
         if isinstance(res, SelectionError) and len(kinds) > 1:
@@ -251,6 +282,9 @@ def cmd_report(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_select(args: argparse.Namespace, out: Console) -> int:
+    from .render import choice_line
+    from .selection import SelectionError
+
     kinds = layer_specs_from_args(args)
     results = _select_each(args, kinds)
     for (kind, _, layers), res in zip(kinds, results):
@@ -262,6 +296,10 @@ def cmd_select(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_cache(args: argparse.Namespace, out: Console) -> int:
+    from rich.table import Table
+
+    from .cache import ResultCache
+
     cache = ResultCache(args.cache_dir)
     if args.action == "path":
         print(cache.path)
@@ -286,6 +324,8 @@ def cmd_cache(args: argparse.Namespace, out: Console) -> int:
 
 def _spec_label(spec: dict) -> str:
     """A cached entry's spec in words (every field, features included); the raw dict where it does not parse."""
+    from .spec import AttentionSpec
+
     try:
         return AttentionSpec.from_dict(spec).describe()
     except (SpecError, TypeError, ValueError):
@@ -294,7 +334,9 @@ def _spec_label(spec: dict) -> str:
 
 def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     import torch
+    from rich.console import Console
 
+    from . import bench_args
     from .bench import run_bench
     from .bench_heldout import DEFAULT_CELLS, HELDOUT_SPECS, PHASES, run_heldout
 
@@ -318,33 +360,61 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     return run_bench(base, args.backends, args.mode, args.out, args.quick, Console(), args.repeats)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnsel", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"attnsel {__version__}")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("report", help="validate and select backends, then show every backend x phase")
+def _report_args(p: argparse.ArgumentParser) -> None:
     add_spec_args(p)
     add_selection_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_report)
-    p = sub.add_parser("select", help="validate and select backends; print the two choices")
+
+
+def _select_args(p: argparse.ArgumentParser) -> None:
     add_spec_args(p)
     add_selection_args(p)
     p.set_defaults(func=cmd_select)
-    p = sub.add_parser("bench", help="time every valid backend over a grid of shapes (needs CUDA)")
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from . import bench_args
+
     add_spec_args(p)
     bench_args.add_bench_args(p)
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("cache", help="show, locate or clear the result cache")
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=("show", "path", "clear"))
     add_cache_dir_arg(p)
     p.set_defaults(func=cmd_cache)
-    p = sub.add_parser("serve", help="serve a model with transformers' OpenAI-compatible server on attnsel")
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    from . import serve
+
     serve.add_serve_args(p)
     add_selection_args(p)
     p.set_defaults(func=serve.cmd_serve)
-    for p in sub.choices.values():  # -q after the subcommand too (SUPPRESS: absent there keeps the main default)
+
+
+# command -> (its line in the help, what adds its flags)
+COMMANDS = {"report": ("validate and select backends, then show every backend x phase", _report_args),
+            "select": ("validate and select backends; print the two choices", _select_args),
+            "bench": ("time every valid backend over a grid of shapes (needs CUDA)", _bench_args),
+            "cache": ("show, locate or clear the result cache", _cache_args),
+            "serve": ("serve a model with transformers' OpenAI-compatible server on attnsel", _serve_args)}
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser. Only the commands in ``commands`` (default: all) get their flags, whose choices import torch and
+    the backends: `attnsel --version`, `--help` and `attnsel` alone need none of them."""
+    parser = argparse.ArgumentParser(prog="attnsel", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"attnsel {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (text, add_args) in COMMANDS.items():
+        p = sub.add_parser(name, help=text)
+        if commands is None or name in commands:
+            add_args(p)
+        # -q after the subcommand too (SUPPRESS: absent there keeps the main default)
         p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
                        help="only warnings and errors on stderr")
         p.set_defaults(parser=p)  # main() names a flag the command does not take with this parser's usage
@@ -352,20 +422,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    if not (sys.argv[1:] if argv is None else argv):  # `attnsel` alone: the commands, not an argparse error
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(commands=set(argv) & set(COMMANDS))  # the command is the first word argparse takes
+    if not argv:  # `attnsel` alone: the commands, not an argparse error
         parser.print_help()
         return 0
     args, unknown = parser.parse_known_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # which spelling of a flag the user typed, for errors
+    args.argv = argv  # which spelling of a flag the user typed, for errors
     if unknown:  # named by the command's own parser, with its usage (the top-level usage lists no command's flags)
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from .selection import SelectionError
+
     err = Console(stderr=True)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
     stdout = sys.stdout
     if stdout is not None:  # None: started with stdout closed (`>&-`); print() and rich write nothing then
-        sys.stdout = _MarkedStdout(stdout)
+        sys.stdout = MarkedStdout(stdout)
     try:
         settings.Settings.from_env()  # every ATTNSEL_* variable, whatever the command reads
         result = args.func(args, Console())
@@ -398,36 +474,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OUTPUT
     finally:
         sys.stdout = stdout
-
-
-class StdoutError(OSError):
-    """Writing the command's output to stdout failed (full disk, I/O error); a closed pipe stays BrokenPipeError."""
-
-
-class _MarkedStdout:
-    """sys.stdout while a command runs: an OSError from writing or flushing it becomes StdoutError, so that main()
-    can tell it from the command's own OS errors (those keep their tracebacks)."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-    def write(self, text: str) -> int:
-        return self._marked(self._stream.write, text)
-
-    def flush(self) -> None:
-        self._marked(self._stream.flush)
-
-    @staticmethod
-    def _marked(call, *args):
-        try:
-            return call(*args)
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            raise StdoutError(exc.errno, exc.strerror) from exc
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import operator
 
 import torch
 
+from .errors import InvalidArgument
 from .flash_masks import UnsupportedArgument, spec_masks
 
 REALS = (float, int)  # softcap types memoised by value (a tensor option hashes by identity: checked every call)
@@ -34,12 +35,12 @@ def plain(causal, window_size, softcap) -> bool:
 
 
 def unit_stride(func: str, **tensors: torch.Tensor) -> None:
-    """Every tensor's last dimension is contiguous (the kernels index it with stride 1): ValueError naming the first
-    that is not. Called when one of them is not contiguous (the cheap common case is checked inline)."""
+    """Every tensor's last dimension is contiguous (the kernels index it with stride 1): InvalidArgument naming the
+    first that is not. Called when one of them is not contiguous (the cheap common case is checked inline)."""
     for arg, t in tensors.items():
         if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(f"attnsel.{func}: {arg}'s last dimension must be contiguous (stride 1), got strides "
-                             f"{tuple(t.stride())}; pass {arg}.contiguous()")
+            raise InvalidArgument(f"attnsel.{func}: {arg}'s last dimension must be contiguous (stride 1), got strides "
+                                  f"{tuple(t.stride())}; pass {arg}.contiguous()")
 
 
 def scale_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -60,17 +61,17 @@ def scale_value(softmax_scale):
     raise scale_error(softmax_scale)
 
 
-def scale_error(softmax_scale) -> ValueError:
-    return ValueError(f"softmax_scale must be None (1/sqrt(head_dim)) or a positive finite Python float, got "
-                      f"{show(softmax_scale)}")
+def scale_error(softmax_scale) -> InvalidArgument:
+    return InvalidArgument(f"softmax_scale must be None (1/sqrt(head_dim)) or a positive finite Python float, got "
+                           f"{show(softmax_scale)}")
 
 
 def sinks_kwargs(func: str, sinks: torch.Tensor | None, heads: int) -> dict:
     if sinks is None:
         return {}
     if sinks.shape != (heads,):
-        raise ValueError(f"attnsel.{func}: sinks must have shape ({heads},) (one per query head), got "
-                         f"{tuple(sinks.shape)}")
+        raise InvalidArgument(f"attnsel.{func}: sinks must have shape ({heads},) (one per query head), got "
+                              f"{tuple(sinks.shape)}")
     return {"sinks": sinks if sinks.dtype == torch.float32 else sinks.float()}
 
 
@@ -88,7 +89,7 @@ def non_tensor(func: str, optional: tuple[str, ...], **args) -> None:
 
 def host_int(name: str, x) -> int:
     """A host integer argument (max_seqlen_q/k): an int, or what converts to one exactly (numpy ints); a float,
-    text, a bool or None is a ValueError naming it (int() would truncate 2.7 or read "3")."""
+    text, a bool or None is an InvalidArgument naming it (int() would truncate 2.7 or read "3")."""
     if type(x) is int:
         return x
     try:
@@ -96,8 +97,8 @@ def host_int(name: str, x) -> int:
             raise TypeError
         return operator.index(x)
     except TypeError:
-        raise ValueError(f"attnsel.flash_attn_varlen_func: {name} must be a Python int (the longest sequence's "
-                         f"tokens, an upper bound is fine), got {x!r}") from None
+        raise InvalidArgument(f"attnsel.flash_attn_varlen_func: {name} must be a Python int (the longest sequence's "
+                              f"tokens, an upper bound is fine), got {x!r}") from None
 
 
 def varlen_masks(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, causal, window_size, softcap, sinks) -> tuple:
@@ -106,12 +107,12 @@ def varlen_masks(q, k, v, cu_seqlens_q, cu_seqlens_k, qs, ks, causal, window_siz
     non_tensor("flash_attn_varlen_func", ("sinks",), q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                cu_seqlens_k=cu_seqlens_k, sinks=sinks)
     if len(qs) != 3 or len(ks) != 3 or v.shape != ks:
-        raise ValueError(f"attnsel.flash_attn_varlen_func: q must be [total_q, heads, head_dim] and k, v "
-                         f"[total_k, kv_heads, head_dim] alike; got q {tuple(qs)}, k {tuple(ks)}, "
-                         f"v {tuple(v.shape)}")
+        raise InvalidArgument(f"attnsel.flash_attn_varlen_func: q must be [total_q, heads, head_dim] and k, v "
+                              f"[total_k, kv_heads, head_dim] alike; got q {tuple(qs)}, k {tuple(ks)}, "
+                              f"v {tuple(v.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"attnsel.flash_attn_varlen_func: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")
+        raise InvalidArgument(f"attnsel.flash_attn_varlen_func: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
+                              f"{v.dtype}")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         unit_stride("flash_attn_varlen_func", q=q, k=k, v=v)
     if window_size == (-1, -1) and softcap == 0.0:
@@ -129,14 +130,14 @@ def kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks,
     non_tensor(func, KVCACHE_OPTIONAL, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                page_table=page_table, k_descale=k_descale, v_descale=v_descale, sinks=sinks)
     if len(ks) != 4 or v_cache.shape != ks or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"attnsel.{func}: k_cache and v_cache must both be [num_pages, page_size, kv_heads, "
-                         f"head_dim] of one dtype, got {tuple(ks)} {k_cache.dtype} and "
-                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+        raise InvalidArgument(f"attnsel.{func}: k_cache and v_cache must both be [num_pages, page_size, kv_heads, "
+                              f"head_dim] of one dtype, got {tuple(ks)} {k_cache.dtype} and "
+                              f"{tuple(v_cache.shape)} {v_cache.dtype}")
     if len(ts) != 2 or ts[0] != qs[0]:  # its dtype, and cache_seqlens', are checked where a plan is made
-        raise ValueError(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {qs[0]}, got "
-                         f"{page_table.dtype} {tuple(ts)}")
+        raise InvalidArgument(f"attnsel.{func}: page_table must be int32 [batch, max_pages] with batch {qs[0]}, got "
+                              f"{page_table.dtype} {tuple(ts)}")
     if (k is None) != (v is None):
-        raise ValueError(f"attnsel.{func}: give both k and v (new tokens) or neither")
+        raise InvalidArgument(f"attnsel.{func}: give both k and v (new tokens) or neither")
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         unit_stride(func, q=q, k_cache=k_cache, v_cache=v_cache)
     batch = qs[0]
@@ -144,10 +145,10 @@ def kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, qs, ks,
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
     scales = cache_scales(func, q, k_cache, k, v, k_descale, v_descale)
     if k is not None and (k.device != q.device or v.device != q.device):  # before anything is written
-        raise ValueError(f"attnsel.{func}: k and v (new tokens) must be on q's device {q.device}, got {k.device} "
-                         f"and {v.device}")
+        raise InvalidArgument(f"attnsel.{func}: k and v (new tokens) must be on q's device {q.device}, got {k.device} "
+                              f"and {v.device}")
     if k is not None and (k.dtype != k_cache.dtype or v.dtype != k_cache.dtype):
-        raise ValueError(f"attnsel.{func}: k/v ({k.dtype}/{v.dtype}) must have the cache's dtype {k_cache.dtype}")
+        raise InvalidArgument(f"attnsel.{func}: k/v ({k.dtype}/{v.dtype}) must have the cache's dtype {k_cache.dtype}")
     if k is not None and (k.shape != (batch, 1, ks[2], ks[3]) or v.shape != k.shape):
         raise UnsupportedArgument(f"attnsel.{func}: k and v must be [batch, 1, kv_heads, head_dim] = "
                                   f"[{batch}, 1, {ks[2]}, {ks[3]}] (one new token per "
@@ -163,8 +164,8 @@ def cache_scales(func: str, q, k_cache, k, v, k_descale, v_descale) -> dict:
     element k_scale/v_scale for a float8_e4m3fn cache (new tokens k/v into it: refused); raises on anything else."""
     if k_cache.dtype != q.dtype:
         if k_cache.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"attnsel.{func}: the KV cache's dtype {k_cache.dtype} differs from q's {q.dtype}; "
-                             "allowed: q's dtype, or torch.float8_e4m3fn with k_descale/v_descale")
+            raise InvalidArgument(f"attnsel.{func}: the KV cache's dtype {k_cache.dtype} differs from q's {q.dtype}; "
+                                  "allowed: q's dtype, or torch.float8_e4m3fn with k_descale/v_descale")
         if k_descale is None or v_descale is None or k_descale.numel() != 1 or v_descale.numel() != 1:
             raise UnsupportedArgument(
                 f"attnsel.{func}: a {k_cache.dtype} cache needs k_descale and v_descale of one element each "
@@ -173,8 +174,8 @@ def cache_scales(func: str, q, k_cache, k, v, k_descale, v_descale) -> dict:
             unsupported(func, {"k": k, "v": v})  # quantising new tokens into an fp8 cache: write them yourself
         return {"k_scale": scale_tensor(k_descale), "v_scale": scale_tensor(v_descale)}
     if k_cache.dtype == torch.float8_e4m3fn:  # q fp8 too
-        raise ValueError(f"attnsel.{func}: q's dtype {q.dtype} is not served: q must be bfloat16, float16 or "
-                         "float32 (an fp8 cache takes q in one of them with k_descale/v_descale)")
+        raise InvalidArgument(f"attnsel.{func}: q's dtype {q.dtype} is not served: q must be bfloat16, float16 or "
+                              "float32 (an fp8 cache takes q in one of them with k_descale/v_descale)")
     if k_descale is not None or v_descale is not None:
         given = ", ".join(f"{n}={show(x)}" for n, x in (("k_descale", k_descale), ("v_descale", v_descale))
                           if x is not None)

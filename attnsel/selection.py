@@ -18,7 +18,7 @@ from .canary import Canary, every_from
 from .device import kind as device_kind
 from .dispatch import DispatchTable, build_table  # noqa: F401 (build_table: importable from here)
 from .dist import agree
-from .errors import AttnselError, InvalidArgument
+from .errors import AttnselError, CannotRun, InvalidArgument
 from .run_checks import (
     _host_int,
     _pages_checked,
@@ -402,24 +402,24 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, extend:
 
 
 def _checked_device(device: str) -> str:
-    """The device, when torch can use it here; InvalidArgument naming it otherwise."""
+    """The device, when torch can use it here; InvalidArgument naming it when it is none, CannotRun when this machine
+    lacks it."""
     try:
         kind = torch.device(device).type
     except RuntimeError as exc:
         raise InvalidArgument(f"device {device!r} is not a torch device ({exc})") from None
     if kind == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgument(f"device {device!r} was requested but no CUDA device is available")
+        raise CannotRun(f"device {device!r} was requested but no CUDA device is available")
     if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= \
             torch.cuda.device_count():
-        raise InvalidArgument(f"device {device!r} was requested but this machine has {torch.cuda.device_count()} "
-                              "CUDA device(s)")
+        raise CannotRun(f"device {device!r} was requested but this machine has {torch.cuda.device_count()} "
+                        "CUDA device(s)")
     if kind == "meta":
         raise InvalidArgument("device 'meta' holds no data: attnsel validates and times on a real device (cpu, cuda)")
     if kind not in ("cpu", "cuda"):  # xpu, mps, ...: the torch backend may serve them, when torch can use them
         available = getattr(getattr(torch, kind, None), "is_available", None)
         if available is None or not available():
-            raise InvalidArgument(f"device {device!r} was requested but torch cannot use {kind} devices on this "
-                                  "machine")
+            raise CannotRun(f"device {device!r} was requested but torch cannot use {kind} devices on this machine")
     return device
 
 

@@ -13,10 +13,10 @@ in ``ModelLoader`` and loads the model in a process of its own, where only a Hub
 serves as ``"attnsel/flash-attn"`` (``hf_kernels.register_kernel``; needs ``kernels>=0.19.1``), with and without
 continuous batching, and no check is changed.
 
-Needs ``pip install 'attnsel[serve]'`` (fastapi, uvicorn, openai, pydantic: what transformers' ``is_serve_available``
-checks). Implementations: ``attnsel`` (dense ``generate``, the default), or with ``--continuous-batching``
-``paged|attnsel`` on transformers 5.17 and ``attnsel_flash`` on 5.18 to 5.24; ``attnsel/flash-attn`` for both on
->= 5.25.
+Needs ``pip install 'attnsel[serve]'`` (transformers, accelerate, and fastapi, uvicorn, openai, pydantic: what
+transformers' ``is_serve_available`` checks); without it the command cannot run (CannotRun, exit 3).
+Implementations: ``attnsel`` (dense ``generate``, the default), or with ``--continuous-batching`` ``paged|attnsel`` on
+transformers 5.17 and ``attnsel_flash`` on 5.18 to 5.24; ``attnsel/flash-attn`` for both on >= 5.25.
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from .errors import InvalidArgument
+from .errors import CannotRun, InvalidArgument
 from .selection import Selection, default_device
 from .spec import DTYPES as SPEC_DTYPES, short_dtype_name
 
 log = logging.getLogger(__name__)
 
-SERVE_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic")
+SERVE_PACKAGES = ("transformers", "accelerate", "fastapi", "uvicorn", "openai", "pydantic")  # the serve extra's
 DTYPES = {"auto": None, **SPEC_DTYPES}
 
 
@@ -55,7 +55,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def unavailable() -> str | None:
     missing = [p for p in SERVE_PACKAGES if importlib.util.find_spec(p) is None]
     if missing:
-        return f"serving needs {', '.join(missing)}: pip install 'attnsel[serve]'"
+        return f"attnsel serve needs the serve extra (missing: {', '.join(missing)}): pip install 'attnsel[serve]'"
     return None
 
 
@@ -120,15 +120,15 @@ def implementation(continuous_batching: bool, registered: list[str]) -> str:
     if hf_kernels.KERNEL_NAME in registered:  # transformers >= 5.25: the one name its server (and model process) takes
         return hf_kernels.KERNEL_NAME
     if hf_kernels.kernel_versions():
-        raise InvalidArgument(f"transformers' server accepts attnsel only as the Hub kernel {hf_kernels.KERNEL_NAME}: "
-                              f"{hf_kernels.kernel_unsupported()}")
+        raise CannotRun(f"transformers' server accepts attnsel only as the Hub kernel {hf_kernels.KERNEL_NAME}: "
+                        f"{hf_kernels.kernel_unsupported()}")
     if not continuous_batching:
         return hf.NAME
     for name in (hf.PAGED_NAME, "attnsel_flash"):
         if name in registered:
             return name
-    raise InvalidArgument(f"continuous batching: none of {hf.PAGED_NAME}, attnsel_flash could be registered with "
-                          "this transformers")
+    raise CannotRun(f"continuous batching: none of {hf.PAGED_NAME}, attnsel_flash could be registered with this "
+                    "transformers")
 
 
 def start_selections(model_dir: Path, impl: str, dtype: torch.dtype | None,
@@ -173,7 +173,7 @@ def _sigterm_as_interrupt():
 def cmd_serve(args: argparse.Namespace, out) -> int:
     reason = unavailable()
     if reason:
-        raise InvalidArgument(reason)
+        raise CannotRun(reason)
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise InvalidArgument(f"{model_dir} is not a model directory (no config.json)")

@@ -56,10 +56,10 @@ def test_report_json_schema(capsys):
 def test_report_json_is_strict_json(capsys, monkeypatch):
     """json.dumps writes float('inf') and NaN as Infinity/NaN, which strict parsers (and other languages) refuse;
     the report now writes null for them (review, 2026-12-05: a cached time of Infinity reached the output)."""
-    import attnsel.cli as cli
+    import attnsel.render as render
 
-    real = cli.report_json
-    monkeypatch.setattr(cli, "report_json", lambda sel: {**real(sel), "odd": [float("inf"), float("nan"), 1.5]})
+    real = render.report_json
+    monkeypatch.setattr(render, "report_json", lambda sel: {**real(sel), "odd": [float("inf"), float("nan"), 1.5]})
     code, out, _ = run(capsys, "report", *SMALL, "--json", "--policy", "priority")
 
     def refuse(name):
@@ -516,12 +516,14 @@ def test_an_infinite_check_timeout_means_no_limit(capsys, monkeypatch):
 
 def test_a_device_torch_cannot_use_is_refused_even_on_a_cache_hit(capsys):
     """--device xpu:0 / mps / meta on a machine without them: the worker died twice (exit 3) on a cold cache, and on
-    a warm one the report said 'cache: hit' for the CPU and exited 0. Now one line, exit 2, either way."""
+    a warm one the report said 'cache: hit' for the CPU and exited 0. Now one line either way: exit 3 for a device
+    this machine lacks (as --device cuda without CUDA), exit 2 for meta, which is never a device to validate on."""
     assert run(capsys, "report", *SMALL, "--policy", "priority")[0] == 0  # a warm cache for the CPU
-    for device, words in (("xpu:0", "torch cannot use xpu devices on this machine"),
-                          ("meta", "device 'meta' holds no data")):
+    for device, words, expected in (("xpu:0", "cannot run: device 'xpu:0' was requested but torch cannot use xpu "
+                                              "devices on this machine", 3),
+                                    ("meta", "error: device 'meta' holds no data", 2)):
         code, out, err = run(capsys, "report", *SMALL, "--policy", "priority", "--device", device)
-        assert code == 2 and out == "" and words in " ".join(err.split()), err
+        assert code == expected and out == "" and words in " ".join(err.split()), err
 
 
 def test_cache_clear_on_a_file_is_a_clear_error(capsys, monkeypatch, tmp_path):
@@ -600,3 +602,147 @@ def test_no_command_prints_the_help(capsys):
     assert cli_main([]) == 0
     out = capsys.readouterr().out
     assert "report" in out and "select" in out and "bench" in out and "serve" in out
+
+
+START_SCRIPT = """import runpy, sys
+sys.argv = ["attnsel", *sys.argv[1:]]
+code = 0
+try:
+    runpy.run_module("attnsel", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted(m for m in ("torch", "numpy", "triton", "transformers", "attnsel.selection") if m in sys.modules)
+print(f"exit {code}, imported {heavy}", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv, shows", [(["--version"], "attnsel 0.2.0"), (["--help"], "usage: attnsel"),
+                                         ([], "usage: attnsel")], ids=["--version", "--help", "no-args"])
+def test_version_and_help_start_without_torch(argv, shows):
+    """`python -m attnsel --version` / `--help` / no arguments: the package imported torch and every module before
+    argparse ran (1.7 s on a CPU machine, nearly all of it torch); they need none of it."""
+    proc = subprocess.run([sys.executable, "-c", START_SCRIPT, *argv], capture_output=True, text=True, timeout=300)
+    assert proc.stderr.strip().splitlines()[-1] == "exit 0, imported []", proc.stderr
+    assert shows in proc.stdout
+    for command in ("report", "select", "bench", "cache", "serve"):  # the commands are still listed
+        assert command in proc.stdout or argv == ["--version"]
+
+
+def test_importing_attnsel_imports_no_torch_until_a_name_is_used():
+    script = ("import sys, attnsel\n"
+              "before = 'torch' in sys.modules\n"
+              "from attnsel import AttentionSpec, select, SpecError\n"
+              "import attnsel.spec\n"
+              "print(before, 'torch' in sys.modules, attnsel.SpecError is attnsel.spec.SpecError,\n"
+              "      attnsel.select is attnsel.selection.select, sorted(attnsel.__all__) == sorted(\n"
+              "      n for n in attnsel.__all__ if hasattr(attnsel, n)))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split() == ["False", "True", "True", "True", "True"], proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_not_possible_here_exit_3(capsys):
+    """`attnsel report --device cuda` on a machine without CUDA said 'error' and exited 2 (bad input); the input is
+    fine, this machine cannot do it: exit 3, 'cannot run', as --mode graph without CUDA."""
+    code, out, err = run(capsys, "report", *SMALL, "--device", "cuda", "--policy", "priority")
+    assert (code, out) == (3, "")
+    assert err.strip() == "attnsel: cannot run: device 'cuda' was requested but no CUDA device is available"
+
+
+@pytest.mark.parametrize("package", ["fastapi", "transformers"])
+def test_serve_without_its_extra_is_not_possible_here_exit_3(capsys, monkeypatch, tmp_path, package):
+    """`attnsel serve` without the packages of the `serve` extra exited 2 as if the input were bad (fastapi), or
+    raised ImportError with a traceback (transformers, which the check left out); now exit 3 naming the extra to
+    install (sys.modules[name] = None: the package cannot be imported, as when absent)."""
+    import tomllib
+
+    from attnsel import serve
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    assert sorted(serve.SERVE_PACKAGES) == sorted(re.split(r"[<>=\[]", req)[0] for req in extra)
+    monkeypatch.setitem(sys.modules, package, None)
+    (tmp_path / "config.json").write_text("{}")
+    code, out, err = run(capsys, "serve", str(tmp_path))
+    assert (code, out) == (3, "")
+    assert err.strip() == (f"attnsel: cannot run: attnsel serve needs the serve extra (missing: {package}): "
+                           "pip install 'attnsel[serve]'")
+
+
+@pytest.mark.parametrize("command", ["report", "serve"])
+def test_a_timeout_that_is_no_number_names_the_flag_and_what_is_allowed(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([command, *(SMALL if command == "report" else ["/nonexistent"]), "--timeout", "abc"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.strip().splitlines()[-1] == (f"attnsel {command}: error: argument --timeout: must be a positive number "
+                                            "of seconds (e.g. 600), got 'abc'")
+
+
+def test_report_help_names_the_short_backend_flags_first(capsys, monkeypatch):
+    """--prefill-backend / --decode-backend / --extend-backend are the primary names (usage shows them); LightLLM's
+    --llm_prefill_att_backend / --llm_decode_att_backend stay as aliases (other tests here use both)."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    out = capsys.readouterr().out
+    usage = out[:out.index("\n\n")]
+    assert "--llm_" not in usage
+    for phase in ("prefill", "decode", "extend"):
+        assert f"[--{phase}-backend {phase.upper()}]" in usage
+    assert "--prefill-backend PREFILL, --llm_prefill_att_backend PREFILL" in out
+    assert "--decode-backend DECODE, --llm_decode_att_backend DECODE" in out
+
+
+def test_the_readme_exit_codes_are_the_codes_main_returns():
+    """The README listed 0, 2 and 3 but not 1 (an internal error: a bug, with its traceback)."""
+    from attnsel import cli
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    line = readme[readme.index("Exit codes:"):]
+    line = line[:line.index(". ") + 1]
+    assert (cli.EXIT_OUTPUT, cli.EXIT_USAGE, cli.EXIT_UNSERVED) == (1, 2, 3)
+    for code, words in ((0, "success"), (1, "an internal error (a bug, with its traceback)"),
+                        (2, "bad input"), (3, "not possible on this machine")):
+        assert f"{code} {words}" in line, line
+
+
+def test_the_readme_names_fa3s_package_where_it_lists_the_backends():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    backends_line = readme[readme.index("Backends: "):readme.index("entry point group")]
+    assert "`fa3`" in backends_line and "tokenspeed-fa3" in backends_line and "flash_attn_interface" in backends_line
+
+
+def test_flash_api_metadata_checks_raise_invalid_argument():
+    """flash_checks raised plain ValueError for bad arguments: InvalidArgument is attnsel's error for them (a
+    ValueError still, for callers that catch that)."""
+    import torch
+
+    import attnsel
+    from attnsel.errors import InvalidArgument
+
+    q = torch.zeros(4, 2, 8, dtype=torch.float16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(InvalidArgument, match="q, k, v must share a dtype"):
+        attnsel.flash_attn_varlen_func(q, q.float(), q, cu, cu, 4, 4, causal=True)
+    with pytest.raises(InvalidArgument, match="max_seqlen_q must be a Python int"):
+        attnsel.flash_attn_varlen_func(q, q, q, cu, cu, 4.0, 4, causal=True)
+    with pytest.raises(InvalidArgument, match="softmax_scale must be None"):
+        attnsel.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, softmax_scale="0.5", causal=True)
+    cache = torch.zeros(2, 16, 2, 8, dtype=torch.float16)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(InvalidArgument, match="give both k and v"):
+        attnsel.flash_attn_with_kvcache(q[:1].unsqueeze(1), cache, cache, k=q[:1].unsqueeze(1), cache_seqlens=3,
+                                        page_table=table, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_index_past_the_device_count_is_exit_3(capsys):
+    """The GPU side of --device cuda without CUDA: an index this machine does not have is not bad input either."""
+    import torch
+
+    count = torch.cuda.device_count()
+    code, out, err = run(capsys, "report", *SMALL, "--device", f"cuda:{count}", "--policy", "priority")
+    assert (code, out) == (3, "")
+    assert err.strip() == (f"attnsel: cannot run: device 'cuda:{count}' was requested but this machine has {count} "
+                           "CUDA device(s)")

@@ -850,10 +850,10 @@ def test_a_reset_during_the_checks_is_not_undone_by_the_memo(monkeypatch):
 
 
 @pytest.mark.parametrize("change, error", [
-    ({"max_seqlen_q": 2.7}, r"ValueError: .*max_seqlen_q must be a Python int .*got 2\.7"),
-    ({"max_seqlen_q": "3"}, r"ValueError: .*max_seqlen_q must be a Python int .*got '3'"),
-    ({"max_seqlen_k": True}, r"ValueError: .*max_seqlen_k must be a Python int .*got True"),
-    ({"max_seqlen_q": None}, r"ValueError: .*max_seqlen_q must be a Python int .*got None"),
+    ({"max_seqlen_q": 2.7}, r"InvalidArgument: .*max_seqlen_q must be a Python int .*got 2\.7"),
+    ({"max_seqlen_q": "3"}, r"InvalidArgument: .*max_seqlen_q must be a Python int .*got '3'"),
+    ({"max_seqlen_k": True}, r"InvalidArgument: .*max_seqlen_k must be a Python int .*got True"),
+    ({"max_seqlen_q": None}, r"InvalidArgument: .*max_seqlen_q must be a Python int .*got None"),
     ({"cu_seqlens_q": [0, 3]}, r"TypeError: .*cu_seqlens_q must be a torch.Tensor, got list"),
     ({"q": [0.0]}, r"TypeError: .*q must be a torch.Tensor, got list"),
     ({"k": None}, r"TypeError: .*k must be a torch.Tensor, got NoneType"),
