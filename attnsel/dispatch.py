@@ -10,6 +10,7 @@ import math
 
 from .validate import timing
 
+LOOKUP_RULES = ("interpolation", "tie", "ragged")  # DispatchTable.without's names of the lookup's rules
 TIE = 0.01  # measured within 1% of the fastest: priority order decides (a wider band lets a backend 2% slower win a
 # bucket by priority, and serve the shapes around it where it is slower still)
 
@@ -88,6 +89,7 @@ class DispatchTable:
     # timed on the finer levels (timing.prune)
     ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
     # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
+    interpolate: bool = True  # False: the nearest bucket serves every shape (a lookup option, not stored: ``without``)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -157,6 +159,8 @@ class DispatchTable:
         self._check_key(key)
         if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
             return self.ragged.backend_for(key)
+        if not self.interpolate:
+            return self.bucket_for(key).backend
         sides = []  # per axis: ((value, weight), ...): one entry on a timed value or beyond the ends, else two
         for values, x in zip(self._values, key):
             x = max(x, 1)
@@ -173,6 +177,19 @@ class DispatchTable:
             hit = self._picks[sides] = self._interpolated(sides)
         # the fallback is looked up from the exact key (bucket_for memoises on its own, finer rounding)
         return hit or self.bucket_for(key).backend
+
+    def without(self, *rules: str) -> "DispatchTable":
+        """This table (and its ragged sub-table) with lookup rules beyond the nearest timed bucket switched off, to
+        measure what each earns (scripts/replay_dispatch.py): "interpolation" (the nearest bucket serves every
+        shape), "tie" (a tie band of 0: the least interpolated slowdown wins outright) or "ragged" (no ragged
+        sub-table: a skewed batch goes by its mean)."""
+        unknown = [r for r in rules if r not in LOOKUP_RULES]
+        if unknown:
+            raise ValueError(f"unknown lookup rule(s) {', '.join(map(repr, unknown))}; the rules that can be switched "
+                             f"off: {', '.join(LOOKUP_RULES)}")
+        ragged = None if "ragged" in rules or self.ragged is None else self.ragged.without(*rules)
+        return dataclasses.replace(self, interpolate=self.interpolate and "interpolation" not in rules,
+                                   tie=0.0 if "tie" in rules else self.tie, ragged=ragged)
 
     def covers(self, key: tuple[int, ...], longest: int) -> bool:
         """Whether this (ragged) table serves a decode batch of ``key`` = (batch, mean context) whose longest row is
