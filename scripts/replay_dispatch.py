@@ -3,10 +3,12 @@ tables (timed buckets) and every cell's measured times, so the dispatch's choice
 current lookup rules and scored against the cell's fastest, without a GPU.
 
 Usage: python3 scripts/replay_dispatch.py bench/results/2026-12-04-round11/bench-*.json [...]
-       python3 scripts/replay_dispatch.py --without tie [--without ragged ...] FILES   (the current rules with these
-       switched off (dispatch.LOOKUP_RULES), against all of them, and the cells where the two differ)
+       python3 scripts/replay_dispatch.py --without ragged [--without interpolation] FILES   (the current rules with
+       these switched off (dispatch.LOOKUP_RULES), against all of them, and the cells where the two differ)
        python3 scripts/replay_dispatch.py --rules FILES   (one device and mode: one table row per rule, all cells of
        FILES with all rules and with each rule off, and how often the bench disagrees with itself between passes)
+       python3 scripts/replay_dispatch.py --ragged FILES   (eager: the uniform table's choice at each timed ragged
+       batch)
        python3 scripts/replay_dispatch.py --runs A1.json A2.json B1.json B2.json   (two runs a and b of the same specs
        and grid, run a's files then run b's in the same order: cells whose fastest in one run is more than 3% behind
        in the other, both ways; for benches of one pass)
@@ -129,6 +131,24 @@ def rules(paths: list[Path]) -> None:
               f"{agree if not col else ''} |")
 
 
+def ragged(paths: list[Path]) -> None:
+    """The timed ragged batches of eager decode tables: the uniform buckets' choice for each (batch, mean context)
+    against the ragged bucket's fastest, i.e. what serving a skewed batch by its mean costs at the timed shapes (the
+    ragged sub-table serves its own bucket's winner there: in-sample for it, out of sample for the uniform table)."""
+    ratios = []
+    for path in paths:
+        table = DispatchTable.from_json(json.loads(path.read_text())["selections"][0]["dispatch"]["decode"])
+        if table.ragged is None:
+            raise SystemExit(f"{path}: no ragged sub-table (an eager decode table of grid version 4 or later has one)")
+        uniform = table.without("ragged")
+        for b in table.ragged.buckets:
+            pick = uniform.backend_for(b.key)
+            ratios.append(b.times_us[pick] / min(b.times_us.values()) if pick in b.times_us else math.inf)
+            if ratios[-1] > 1 + WITHIN:
+                print(f"{path.name} {b.label}: uniform {pick} {ratios[-1]:.2f}x, ragged {b.backend}")
+    print(f"the uniform choice at the timed ragged batches: {score(ratios)}")
+
+
 def runs(a: Path, b: Path) -> tuple[int, int]:
     """Two bench runs of one spec and grid: (cells whose run-a fastest is more than 3% behind in run b, cells in
     both). For benches of one pass, how far the bench agrees with itself between runs."""
@@ -246,6 +266,9 @@ def main(args: list[str]) -> None:
             got = [runs(a, b) if x == "a" else runs(b, a) for a, b in pairs]
             print(f"run {x}'s fastest more than 3% behind in run {y}: "
                   f"{sum(g[0] for g in got)}/{sum(g[1] for g in got)}")
+        return
+    if args and args[0] == "--ragged":
+        ragged([Path(p) for p in args[1:]])
         return
     if args and args[0] == "--rules":
         rules([Path(p) for p in args[1:]])

@@ -95,11 +95,6 @@ def test_each_lookup_rule_can_be_switched_off_for_replays():
     assert graph.bucket_for((12,)).backend == "a" and graph.backend_for((12,)) == "b"  # interpolated
     assert graph.without("interpolation").backend_for((12,)) == "a"  # the nearest bucket serves
     assert graph.without("interpolation").backend_for((8,)) == "b"
-    # at batch 5 a's interpolated slowdown is least, b's within the 1% band: a is 3% behind at batch 64, b never
-    # more than 0.5% behind
-    ties = build_table(measured({(4, 256): {"a": 100.0, "b": 100.5}, (64, 256): {"a": 103.0, "b": 100.0}},
-                                mode="graph"), ["a", "b"])
-    assert ties.backend_for((5,)) == "b" and ties.without("tie").backend_for((5,)) == "a"
     table = build_table(measured(CELLS, ragged=RAGGED), ["a", "b", "c"])
     assert table.backend_for((64, 2048), longest=8000) == "a"  # the ragged sub-table
     off = table.without("ragged")
@@ -107,9 +102,19 @@ def test_each_lookup_rule_can_be_switched_off_for_replays():
     # the sub-table follows its table; no rule named: the same table; the options are not stored
     assert not table.without("interpolation").ragged.interpolate and table.without() == table
     assert table.without("interpolation").to_json() == table.to_json()
-    with pytest.raises(ValueError, match=r"unknown lookup rule\(s\) 'wave'; the rules that can be switched off: "
-                                         r"interpolation, tie, ragged"):
-        table.without("ragged", "wave")
+    with pytest.raises(ValueError, match=r"unknown lookup rule\(s\) 'tie'; the rules that can be switched off: "
+                                         r"interpolation, ragged"):
+        table.without("ragged", "tie")  # a rule that did not earn its place (bench/results/README.md)
+
+
+def test_a_near_tie_between_timed_shapes_goes_to_the_least_interpolated_slowdown():
+    """At batch 5 a's interpolated slowdown is least; b's is within 1% of it and b is never more than 0.5% behind,
+    while a is 3% behind at batch 64. The least wins: a rule giving such near-ties to the candidate whose worst
+    corner is least did not win more bench cells than the bench's passes disagree on (bench/results/README.md)."""
+    ties = build_table(measured({(4, 256): {"a": 100.0, "b": 100.5}, (64, 256): {"a": 103.0, "b": 100.0}},
+                                mode="graph"), ["a", "b"])
+    assert ties.backend_for((4,)) == "a" and ties.backend_for((5,)) == "a" and ties.backend_for((64,)) == "b"
+    assert ties.backend_for((12,)) == "b"  # b's interpolated slowdown is least there
 
 
 def test_the_pure_functions_take_milliseconds():
