@@ -10,6 +10,7 @@ import math
 
 from .validate import timing
 
+LOOKUP_RULES = ("interpolation", "ragged")  # DispatchTable.without's names of the lookup's rules
 TIE = 0.01  # measured within 1% of the fastest: priority order decides (a wider band lets a backend 2% slower win a
 # bucket by priority, and serve the shapes around it where it is slower still)
 
@@ -68,11 +69,10 @@ class DispatchTable:
 
     ``backend_for`` interpolates between timed shapes: where every corner of the box of timed values around a shape
     was timed (per axis the values just below and above it, in log space), each candidate's slowdown (log of its time
-    over the corner's fastest) is interpolated multilinearly in log space and the least wins; within ``TIE`` of it,
-    the candidate whose worst corner is least (the nearest corner's choice, a near-tie there, can be far behind at
-    the next corner; scripts/replay_dispatch.py replays recorded benches with these rules). A backend that wins one
-    corner narrowly and loses badly at the next then does not serve the shapes between them. Elsewhere (sparse
-    corners, e.g. prefill) the nearest bucket serves.
+    over the corner's fastest) is interpolated multilinearly in log space and the least wins (exact ties: the order
+    the table was built with). A backend that wins one corner narrowly and loses badly at the next then does not
+    serve the shapes between them. Elsewhere (sparse corners, e.g. prefill) the nearest bucket serves.
+    scripts/replay_dispatch.py replays recorded benches with these rules, and with each switched off (``without``).
     """
 
     phase: str
@@ -83,11 +83,11 @@ class DispatchTable:
     grid_version: int
     skipped: tuple[str, ...] = ()
     wall_s: float | None = None
-    tie: float = TIE  # the lookup's tie band (the buckets' choices were made with the selection's)
     pruned: tuple[tuple[str, float], ...] = ()  # (candidate, least ratio to the fastest on the coarse grid): not
     # timed on the finer levels (timing.prune)
     ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
     # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
+    interpolate: bool = True  # False: the nearest bucket serves every shape (a lookup option, not stored: ``without``)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -157,6 +157,8 @@ class DispatchTable:
         self._check_key(key)
         if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
             return self.ragged.backend_for(key)
+        if not self.interpolate:
+            return self.bucket_for(key).backend
         sides = []  # per axis: ((value, weight), ...): one entry on a timed value or beyond the ends, else two
         for values, x in zip(self._values, key):
             x = max(x, 1)
@@ -173,6 +175,17 @@ class DispatchTable:
             hit = self._picks[sides] = self._interpolated(sides)
         # the fallback is looked up from the exact key (bucket_for memoises on its own, finer rounding)
         return hit or self.bucket_for(key).backend
+
+    def without(self, *rules: str) -> "DispatchTable":
+        """This table (and its ragged sub-table) with lookup rules beyond the nearest timed bucket switched off, to
+        measure what each earns (scripts/replay_dispatch.py): "interpolation" (the nearest bucket serves every
+        shape) or "ragged" (no ragged sub-table: a skewed batch goes by its mean)."""
+        unknown = [r for r in rules if r not in LOOKUP_RULES]
+        if unknown:
+            raise ValueError(f"unknown lookup rule(s) {', '.join(map(repr, unknown))}; the rules that can be switched "
+                             f"off: {', '.join(LOOKUP_RULES)}")
+        ragged = None if "ragged" in rules or self.ragged is None else self.ragged.without(*rules)
+        return dataclasses.replace(self, interpolate=self.interpolate and "interpolation" not in rules, ragged=ragged)
 
     def covers(self, key: tuple[int, ...], longest: int) -> bool:
         """Whether this (ragged) table serves a decode batch of ``key`` = (batch, mean context) whose longest row is
@@ -202,10 +215,7 @@ class DispatchTable:
         if not names:
             return None
         cost = {n: sum(w * self._slowdowns[c][n] for c, w in corners) for n in names}
-        best = min(cost.values())
-        tied = {n for n, c in cost.items() if c <= best + math.log1p(self.tie) + 1e-12}
-        worst = {n: max(self._slowdowns[c][n] for c, _ in corners) for n in tied}
-        return min(tied, key=lambda n: (worst[n], cost[n], self._order.index(n)))
+        return min(cost, key=lambda n: (cost[n], self._order.index(n)))
 
     def __str__(self) -> str:
         """The table as text: a line of what it is (phase, mode, axes, default backend, wins, skipped and pruned
@@ -236,7 +246,7 @@ class DispatchTable:
     def to_json(self) -> dict:
         return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
                 "grid_version": self.grid_version, "skipped": list(self.skipped), "wall_s": self.wall_s,
-                "tie": self.tie, "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets],
+                "pruned": dict(self.pruned), "buckets": [b.to_json() for b in self.buckets],
                 "ragged": self.ragged.to_json() if self.ragged is not None else None}
 
     @classmethod
@@ -245,7 +255,7 @@ class DispatchTable:
         return cls(data["phase"], data["mode"], tuple(data["axes"]),
                    tuple(Bucket.from_json(b) for b in data["buckets"]),
                    data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"),
-                   tie=data.get("tie", TIE), pruned=tuple(data.get("pruned", {}).items()),
+                   pruned=tuple(data.get("pruned", {}).items()),
                    ragged=cls.from_json(ragged) if ragged else None)
 
 

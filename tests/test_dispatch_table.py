@@ -86,6 +86,37 @@ def test_printing_names_every_bucket_and_its_choice():
     assert str(one).splitlines()[1] == "  1x256: a 10.0 us"
 
 
+def test_each_lookup_rule_can_be_switched_off_for_replays():
+    """DispatchTable.without: the lookup with one rule beyond the nearest timed bucket off, as
+    scripts/replay_dispatch.py replays recorded benches to measure what each rule earns."""
+    # batch 12 between timed batches 8 and 16: a wins 16 by 0.9% and loses 8 by 6.5%, b within 1% at both
+    graph = build_table(measured({(8, 256): {"a": 32.8, "b": 30.8}, (16, 256): {"a": 48.6, "b": 49.04}},
+                                 mode="graph"), ["a", "b"])
+    assert graph.bucket_for((12,)).backend == "a" and graph.backend_for((12,)) == "b"  # interpolated
+    assert graph.without("interpolation").backend_for((12,)) == "a"  # the nearest bucket serves
+    assert graph.without("interpolation").backend_for((8,)) == "b"
+    table = build_table(measured(CELLS, ragged=RAGGED), ["a", "b", "c"])
+    assert table.backend_for((64, 2048), longest=8000) == "a"  # the ragged sub-table
+    off = table.without("ragged")
+    assert off.ragged is None and off.backend_for((64, 2048), longest=8000) == table.backend_for((64, 2048)) == "b"
+    # the sub-table follows its table; no rule named: the same table; the options are not stored
+    assert not table.without("interpolation").ragged.interpolate and table.without() == table
+    assert table.without("interpolation").to_json() == table.to_json()
+    with pytest.raises(ValueError, match=r"unknown lookup rule\(s\) 'tie'; the rules that can be switched off: "
+                                         r"interpolation, ragged"):
+        table.without("ragged", "tie")  # a rule that did not earn its place (bench/results/README.md)
+
+
+def test_a_near_tie_between_timed_shapes_goes_to_the_least_interpolated_slowdown():
+    """At batch 5 a's interpolated slowdown is least; b's is within 1% of it and b is never more than 0.5% behind,
+    while a is 3% behind at batch 64. The least wins: a rule giving such near-ties to the candidate whose worst
+    corner is least did not win more bench cells than the bench's passes disagree on (bench/results/README.md)."""
+    ties = build_table(measured({(4, 256): {"a": 100.0, "b": 100.5}, (64, 256): {"a": 103.0, "b": 100.0}},
+                                mode="graph"), ["a", "b"])
+    assert ties.backend_for((4,)) == "a" and ties.backend_for((5,)) == "a" and ties.backend_for((64,)) == "b"
+    assert ties.backend_for((12,)) == "b"  # b's interpolated slowdown is least there
+
+
 def test_the_pure_functions_take_milliseconds():
     start = time.perf_counter()
     for _ in range(20):

@@ -140,8 +140,8 @@ def test_report_json_carries_the_dispatch_table(capsys, monkeypatch, injected):
     assert set(data["time_units"]) == {"score_us", "dispatch.buckets.us", "dispatch.buckets.host", "time_s"}
     for phase in ("prefill", "decode", "extend"):
         table = data[phase]["dispatch"]
-        assert set(table) == {"phase", "mode", "axes", "default", "grid_version", "skipped", "wall_s", "tie",
-                              "pruned", "buckets", "ragged"}
+        assert set(table) == {"phase", "mode", "axes", "default", "grid_version", "skipped", "wall_s", "pruned",
+                              "buckets", "ragged"}
         assert table["ragged"] is None  # no ragged buckets timed (tests/test_ragged_dispatch.py has them)
         assert table["grid_version"] == timing.GRID_VERSION and table["mode"] == "eager"
         assert table["default"] == data[phase]["backend"]
