@@ -204,3 +204,9 @@ def test_the_readme_results_are_the_results_files_latest():
     assert len(rows) == 2
     for device, mode, *figures in rows:
         assert tuple(figures) == latest[(mode, device)], (device, mode)
+
+
+def test_architecture_stays_short():
+    """docs/ARCHITECTURE.md describes the design as it is, in at most 1,500 words."""
+    words = len((ROOT / "docs" / "ARCHITECTURE.md").read_text().split())
+    assert words <= 1500, f"docs/ARCHITECTURE.md has {words} words, at most 1500"
