@@ -332,19 +332,10 @@ class FlashInferBackend:
                      q_data_type=spec.torch_dtype, kv_data_type=spec.kv_torch_dtype)
         lens = seq_lens.to(torch.int32)
         empty_rows = (lens == 0)[:, None, None] if lens.numel() and bool((lens == 0).any()) else None
-        fp8 = spec.kv_dtype is not None
-        k_scale_host = HostScalar()
+        run = _paged_run(wrapper, spec)
 
-        def call(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
-            _no_sinks(sinks)
-            if fp8:
-                if k_scale is None or v_scale is None:
-                    raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element "
-                                     "tensors)")
-                out = wrapper.run(q, (k_cache, v_cache), k_scale=k_scale_host(k_scale))
-                out = (out * v_scale).to(q.dtype)  # on the device, in float32 (FlashInfer's own v_scale is a float)
-            else:
-                out = wrapper.run(q, (k_cache, v_cache))
+        def call(q, k_cache, v_cache, **kwargs):
+            out = run(q, k_cache, v_cache, **kwargs)
             if empty_rows is not None:  # zero-length rows (CUDA-graph padding) are zeros by contract
                 out = out.masked_fill(empty_rows, 0.0)
             return out
@@ -365,19 +356,10 @@ class FlashInferBackend:
         wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
                      spec.page_size, causal=spec.causal, sm_scale=spec.scale, window_left=_window_left(spec),
                      logits_soft_cap=spec.softcap, q_data_type=spec.torch_dtype, kv_data_type=spec.kv_torch_dtype)
-        fp8 = spec.kv_dtype is not None
-        k_scale_host = HostScalar()
+        run = _paged_run(wrapper, spec)
 
-        def call(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
-            _no_sinks(sinks)
-            if fp8:
-                if k_scale is None or v_scale is None:
-                    raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element "
-                                     "tensors)")
-                out = wrapper.run(q, (k_cache, v_cache), k_scale=k_scale_host(k_scale))
-                out = (out * v_scale).to(q.dtype)  # on the device, as decode does
-            else:
-                out = wrapper.run(q, (k_cache, v_cache))
+        def call(q, k_cache, v_cache, **kwargs):
+            out = run(q, k_cache, v_cache, **kwargs)
             return out.index_fill_(0, blind, 0.0) if blind is not None else out
 
         return self._checked(wrapper, hold, call)
@@ -418,6 +400,24 @@ def _extend_layout(qo_indptr: torch.Tensor, page_table: torch.Tensor, seq_lens: 
         table[:, 0] = torch.where(empty, 0, table[:, 0])
         page_table, lens = table, torch.where(empty, 1, lens)
     return (*paged_kv_layout(page_table, lens, page_size), blind)
+
+
+def _paged_run(wrapper, spec: AttentionSpec) -> RunFn:
+    """The planned wrapper's run over the paged caches, fp8 scales applied: k_scale as FlashInfer's float (one host
+    read per distinct tensor, HostScalar), v_scale on the output on the device in float32 (FlashInfer's is a float)."""
+    fp8 = spec.kv_dtype is not None
+    k_scale_host = HostScalar()
+
+    def run(q, k_cache, v_cache, *, sinks=None, k_scale=None, v_scale=None):
+        _no_sinks(sinks)
+        if not fp8:
+            return wrapper.run(q, (k_cache, v_cache))
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"kv_dtype {spec.kv_dtype} needs k_scale and v_scale (float32 one-element tensors)")
+        out = wrapper.run(q, (k_cache, v_cache), k_scale=k_scale_host(k_scale))
+        return (out * v_scale).to(q.dtype)
+
+    return run
 
 
 def _window_left(spec: AttentionSpec) -> int:
