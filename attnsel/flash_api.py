@@ -133,7 +133,7 @@ class FlashAttention:
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
             announce(spec, device, opts.get("cache_dir"))
-            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), opts.pop("extend"), device=str(device),
+            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), extend=opts.pop("extend"), device=str(device),
                          **opts)
             log.info("attnsel for %s on %s (%s): prefill: %s, decode: %s, extend: %s", spec.describe(), device,
                      sel.mode, sel.prefill, sel.decode, sel.extend)

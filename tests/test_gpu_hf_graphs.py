@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from attnsel import Selection, flash_api  # noqa: E402
 from attnsel.integrations import hf, hf_extend_hook, hf_kernels  # noqa: E402
+from tests.fixtures.tiny_llama import save_tiny_llama  # noqa: E402
 
 MINOR = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -30,13 +31,7 @@ GRAPH_SAFE = {"fa3", "triton"}  # the prefill backends these tests let graph mod
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A tiny random Llama with head_dim 64 (FA3 serves 64 and up), saved once."""
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama") / "llama"
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory, 256, "llama")
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 
 import attnsel  # noqa: E402
 from attnsel.integrations import hf, hf_extend, hf_extend_hook, hf_kernels  # noqa: E402
+from tests.fixtures.tiny_llama import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("inproc_worker")
 
@@ -40,13 +41,7 @@ def _registered(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama") / "llama"
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory, 64, "llama")
 
 
 @dataclasses.dataclass
@@ -269,13 +264,7 @@ GPU_CASES = [pytest.param(name, graphs, marks=[pytest.mark.gpu, pytest.mark.skip
 @pytest.fixture(scope="module")
 def llama64(tmp_path_factory):
     """A tiny random Llama with head_dim 64 (FA3 serves 64 and up)."""
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama64") / "llama"
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory, 256, "llama64")
 
 
 def near_greedy(path, prompts, tokens) -> None:

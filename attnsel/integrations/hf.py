@@ -108,7 +108,7 @@ class HFAttention:
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
             announce(spec, device, opts.get("cache_dir"))
-            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), opts.pop("extend"), device=str(device),
+            sel = select(spec, opts.pop("prefill"), opts.pop("decode"), extend=opts.pop("extend"), device=str(device),
                          **opts)
             log.info("attnsel for %s on %s: prefill: %s, decode: %s", spec.describe(), device, sel.prefill, sel.decode)
             self.selections[key] = sel
