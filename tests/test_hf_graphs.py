@@ -77,9 +77,8 @@ def test_a_captured_call_plans_on_a_graph_mode_selection(monkeypatch, call, meth
     eager, graph = recorder.made[0], recorder.made[-1]
     assert [s.mode for s in seen] == ["eager", "graph", "graph", "eager"]
     assert seen == [eager, graph, graph, eager]
-    assert recorder.asked == [{"policy": "priority", "device": "cpu", "prefill": "torch", "decode": "torch"},
-                              {"policy": "priority", "device": "cpu", "prefill": "torch", "decode": "torch",
-                               "mode": "graph"}]
+    asked = {"policy": "priority", "device": "cpu", "prefill": "torch", "decode": "torch", "extend": "auto"}
+    assert recorder.asked == [asked, {**asked, "mode": "graph"}]
     flash_api.configure(policy="priority")  # forgets both: the next capture asks again
     run()
     monkeypatch.setattr(flash_api, "_capturing", lambda t: True)
