@@ -20,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("inproc_worker")
 # The default candidates on a large spec take Triton's interpreter minutes: by default torch alone is validated
 # there (what the CLI prints does not depend on which backend won); the slow stage runs the default candidates.
 PRIORITY = pytest.mark.parametrize("priority", [
-    pytest.param(["--prefill-priority", "torch", "--decode-priority", "torch"], id="torch"),
+    pytest.param(["--prefill-priority", "torch", "--decode-priority", "torch", "--extend-priority", "torch"],
+                 id="torch"),
     pytest.param([], id="default", marks=pytest.mark.slow)])
 
 
@@ -243,7 +244,8 @@ def test_select_and_report_label_each_layer_kind(capsys, priority):
 def test_one_kind_configs_keep_the_single_object_json(capsys):
     # explicit torch: the JSON's shape is under test, not the interpreted Triton kernels on a 4096-token window case
     code, out, _ = run(capsys, "report", "--config", str(CONFIGS / "mistral-7b-v0.1.json"), "--json",
-                       "--prefill-backend", "torch", "--decode-backend", "torch", "--device", "cpu")
+                       "--prefill-backend", "torch", "--decode-backend", "torch", "--extend-backend", "torch",
+                       "--device", "cpu")
     assert code == 0
     data = json.loads(out)
     assert {"prefill", "decode", "spec"} <= set(data) and data["spec"]["sliding_window"] == 4096

@@ -103,7 +103,7 @@ def test_an_explicitly_named_backend_goes_through_the_same_check(monkeypatch):
     spec = AttentionSpec(**GEMMA2_27B, dtype="bf16", page_size=16)
     with pytest.raises(SelectionError, match="'ignore_scale' was requested explicitly but is rejected: "
                                              "max abs error .* exceeds tolerance"):
-        select(spec, prefill="ignore_scale", decode="torch")
+        select(spec, prefill="ignore_scale", decode="torch", extend="torch")
 
 
 # --- right backends pass on every case the features create --------------------------------------------------------
