@@ -233,6 +233,7 @@ EXTEND_COMPILE_CHECKS = ["extend short split merge", "extend merge ordered", "ex
                          "extend fp8 operands in words", "extend reduce sinks"]
 
 
+@pytest.mark.slow  # 12 s of compiles: in CI's slow stage, with the other kernels' every-variant check
 def test_extend_compiles_for_hopper_without_a_gpu():
     """What the interpreter lets through (types across branches, layouts of fp8 operands) fails here: the extend
     variants compiled for sm_90 by Triton's bundled ptxas (tests/fixtures/triton_compile_check.py)."""
