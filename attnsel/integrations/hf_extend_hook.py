@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 from typing import NamedTuple
 
@@ -37,6 +38,8 @@ from .. import flash_api
 from ..graph_selection import capturing_now
 from ..selection import SelectionError
 from .hf_extend import PrefixReads, paged_page_table
+
+log = logging.getLogger(__name__)
 
 _KNOWN_PARAMS = ["self", "key_states", "value_states", "layer_idx", "kwargs"]
 
@@ -108,10 +111,16 @@ class CachedPrefix:
             return original(cache, key_states, value_states, layer_idx, kwargs)
         waiting = getattr(self._local, "layer", None)
         if waiting is not None and waiting.cache is cache:
-            raise RuntimeError(f"attnsel: layer {waiting.layer_idx} left its cached prefix in the paged cache for "
-                               f"attnsel's attention call, but layer {layer_idx} updates the cache before any such "
-                               "call came: every attention layer of a model loaded with "
-                               f"{cache.config._attn_implementation!r} must call transformers' flash attention")
+            self._local.layer = None  # never sticky: the next forward pass starts clean
+            if layer_idx > waiting.layer_idx:  # the same forward pass: a layer skipped attnsel's attention
+                raise RuntimeError(f"attnsel: layer {waiting.layer_idx} left its cached prefix in the paged cache "
+                                   f"for attnsel's attention call, but layer {layer_idx} updates the cache before "
+                                   "any such call came: every attention layer of a model loaded with "
+                                   f"{cache.config._attn_implementation!r} must call transformers' flash attention")
+            # a new forward pass (layers count up within one): the last one ended between a layer's update and its
+            # attention call (an exception); that layer's keys are in the cache, nothing waits for them any more
+            log.warning("attnsel: layer %d's attention call never came (its forward pass ended early); layer %d "
+                        "starts a new one", waiting.layer_idx, layer_idx)
         kwargs["cu_seq_lens_k"] = cu_k = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
         kwargs["max_length_k"] = max_len = kwargs["max_length_k"][allocator.layer_type]
         k_pages, v_pages = allocator.get_cache_for_block_table(layer_idx)
