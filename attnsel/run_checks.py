@@ -153,16 +153,13 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
     ``b1hd`` q must be ``[batch, 1, heads, head_dim]`` (run takes that layout, natively or through
     ``viewed_b1hd``). ``pages_needed``: from a value-checked plan (``ATTNSEL_CHECK_METADATA``), the pages the caches
     must hold."""
-    hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
-    dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
+    hq, d, dt = spec.num_q_heads, spec.head_dim, spec.torch_dtype
     plain = not (spec.sinks or spec.kv_dtype)
     q_shape = (batch, 1, hq, d) if b1hd else (batch, hq, d)
 
     def checked(q, k_cache, v_cache, **kwargs):
         check_tensor("q", q, q_shape, dt, device)
-        pages = check_tensor("k_cache", k_cache, (None, ps, hk, d), kdt, device)[0]
-        check_tensor("v_cache", v_cache, (pages, ps, hk, d), kdt, device)
-        if pages == 0 and batch:  # the backends gather page 0 for rows with nothing to read
+        if _check_caches(spec, k_cache, v_cache, device) == 0 and batch:  # backends gather page 0 for empty rows
             raise ValueError(f"k_cache/v_cache hold 0 pages ({list(k_cache.shape)}); allowed: at least one page "
                              "(a batch of padding rows still needs a page for its page ids to point at)")
         if pages_needed is not None:
@@ -175,20 +172,25 @@ def checked_decode(run: RunFn, spec: AttentionSpec, device: int, batch: int, b1h
     return checked
 
 
+def _check_caches(spec: AttentionSpec, k_cache, v_cache, device: int) -> int:
+    """The paged caches against the spec; returns their pages."""
+    shape = (spec.page_size, spec.num_kv_heads, spec.head_dim)
+    pages = check_tensor("k_cache", k_cache, (None, *shape), spec.kv_torch_dtype, device)[0]
+    check_tensor("v_cache", v_cache, (pages, *shape), spec.kv_torch_dtype, device)
+    return pages
+
+
 def checked_extend(run: RunFn, spec: AttentionSpec, device: int, total_q: int | None,
                    pages_needed: int | None = None) -> RunFn:
     """run(q, k_cache, v_cache, **features) of an extend plan with the tensors checked against the spec and plan (no
     sync): q ``[total_q, heads, head_dim]`` (any number of rows when ``total_q`` is None), the caches as decode's
     (``pages_needed`` too)."""
-    hq, hk, d, ps = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size
-    dt, kdt = spec.torch_dtype, spec.kv_torch_dtype
+    hq, d, dt = spec.num_q_heads, spec.head_dim, spec.torch_dtype
     plain = not (spec.sinks or spec.kv_dtype)
 
     def checked(q, k_cache, v_cache, **kwargs):
         check_tensor("q", q, (total_q, hq, d), dt, device)
-        pages = check_tensor("k_cache", k_cache, (None, ps, hk, d), kdt, device)[0]
-        check_tensor("v_cache", v_cache, (pages, ps, hk, d), kdt, device)
-        if pages == 0:
+        if _check_caches(spec, k_cache, v_cache, device) == 0:
             raise ValueError(f"k_cache/v_cache hold 0 pages ({list(k_cache.shape)}); allowed: at least one page")
         if pages_needed is not None:
             metadata_values.check_decode_run(pages_needed, k_cache)

@@ -45,6 +45,10 @@ class PrefillCase:
 
     INPUTS = ("cu_q", "cu_k", "q", "k", "v", "sinks")
 
+    def judged(self, out):
+        """The rows of an output that are judged: all of them."""
+        return out
+
     def describe(self) -> str:
         lq = (self.cu_q[1:] - self.cu_q[:-1]).tolist()
         lk = (self.cu_k[1:] - self.cu_k[:-1]).tolist()
@@ -165,10 +169,6 @@ def clear_output(out, inputs) -> None:
         out.fill_(float("nan"))
 
 
-def _judged(case: Case, out):
-    return case.judged(out) if isinstance(case, ExtendCase) else out
-
-
 def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
     """Plan one backend on a validation case and run the plan twice; returns the second output.
 
@@ -191,9 +191,9 @@ def run_case(backend, spec: AttentionSpec, case: Case) -> torch.Tensor:
             run = case.plan(backend, spec)
             inputs = (case.q, case.k_cache, case.v_cache)
         out = run(*inputs, **run_kwargs(spec, case))
-        first = _judged(case, out).clone() if isinstance(out, torch.Tensor) else out
+        first = case.judged(out).clone() if isinstance(out, torch.Tensor) else out
         clear_output(out, _inputs(case).values())  # `out` is held until the second run returns
-        second = _judged(case, run(*inputs, **run_kwargs(spec, case)))
+        second = case.judged(run(*inputs, **run_kwargs(spec, case)))
         if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and (
                 first.shape == second.shape == case.ref.shape):
             case.rerun_diff = _row_difference(first, second)

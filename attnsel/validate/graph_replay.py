@@ -68,7 +68,7 @@ def check(backend, spec: AttentionSpec, phase: str, device: torch.device, captur
         steps = {"prefill": _prefill, "decode": _decode, "extend": _extend}[phase](backend, spec, device, capture)
         for n, (label, case, replay) in enumerate(steps):
             out = replay()
-            checked = cases.check_output(spec, case.judged(out) if isinstance(case, cases.ExtendCase) else out, case)
+            checked = cases.check_output(spec, case.judged(out), case)
             if checked["status"] != "valid":
                 return {"graph_capture": f"wrong under CUDA graph replay ({label}, replay {n + 1}): "
                                          f"{checked['reason']}"}

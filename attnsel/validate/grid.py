@@ -263,18 +263,13 @@ def make_ragged_decode_workload(spec: AttentionSpec, device: torch.device, label
 
 def make_extend_workload(spec: AttentionSpec, device: torch.device, requests: int, q_len: int, ctx: int) -> Workload:
     """``requests`` rows of ``q_len`` queries each over ``ctx`` tokens of context (the queries included), pages
-    shuffled."""
-    ps, dt = spec.page_size, spec.torch_dtype
-    pages = math.ceil(ctx / ps)
-    k_cache = torch.randn(requests * pages, ps, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
-    k_cache = k_cache.to(spec.kv_torch_dtype)
-    v_cache = _random_like(k_cache)
-    page_table = torch.randperm(requests * pages, device=device).to(torch.int32).view(requests, pages)
-    seq_lens = torch.full((requests,), ctx, dtype=torch.int32, device=device)
-    cu_q = cumulative([q_len] * requests, device)
-    q = torch.randn(requests * q_len, spec.num_q_heads, spec.head_dim, device=device, dtype=dt)
-    return Workload(f"{requests}x{q_len} over {ctx}", (cu_q, page_table, seq_lens, q_len, ctx),
-                    (q, k_cache, v_cache))
+    shuffled: decode's workload with q_len queries per row."""
+    work = make_decode_workload(spec, device, "", requests, ctx)
+    page_table, seq_lens = work.plan_args
+    _, k_cache, v_cache = work.inputs
+    q = torch.randn(requests * q_len, spec.num_q_heads, spec.head_dim, device=device, dtype=spec.torch_dtype)
+    return Workload(f"{requests}x{q_len} over {ctx}", (cumulative([q_len] * requests, device), page_table, seq_lens,
+                                                       q_len, ctx), (q, k_cache, v_cache))
 
 
 def make_ragged_extend_workload(spec: AttentionSpec, device: torch.device, q_lens: list[int], lens: list[int]

@@ -37,6 +37,10 @@ class DecodeCase:
     def plan(self, backend, spec: AttentionSpec):
         return backend.plan_decode(spec, self.page_table, self.seq_lens)
 
+    def judged(self, out):
+        """The rows of an output that are judged: all of them (one per sequence)."""
+        return out
+
     def describe(self) -> str:
         return (f"decode seq_lens={self.seq_lens.tolist()} pages={self.k_cache.shape[0]} (shuffled; NaN/inf in "
                 f"unused slots, -1/{self.k_cache.shape[0]} in unused page-table columns)")
@@ -161,7 +165,8 @@ def extend_case(spec: AttentionSpec, device: torch.device, seed: int = 4,
     built = paged(spec, gen, lens, q_lens, boundary)
     to = dict(device=device)
     q = torch.cat([built.q, torch.full((PAD_ROWS, *built.q.shape[1:]), float("nan"), dtype=built.q.dtype)])
-    return ExtendCase(cumulative(q_lens, device), built.page_table.to(**to), torch.tensor(lens, dtype=torch.int32, **to),
-                      max(q_lens, default=0), max(lens, default=0), q.to(**to), built.k_cache.to(**to),
+    seq_lens = torch.tensor(lens, dtype=torch.int32, **to)
+    return ExtendCase(cumulative(q_lens, device), built.page_table.to(**to), seq_lens, max(q_lens, default=0),
+                      max(lens, default=0), q.to(**to), built.k_cache.to(**to),
                       built.v_cache.to(**to), built.ref.to(**to), row_errors(built.low, built.ref).to(**to),
                       built.sinks.to(**to) if built.sinks is not None else None, *scale_tensors(spec, device))
