@@ -263,3 +263,22 @@ def test_a_non_causal_spec_has_no_extend_phase_with_the_reason():
     sel = _select(spec, policy="priority", prefill_priority=["torch"], decode_priority=["torch"])
     assert sel.extend == "" and "non-causal" in sel.phases["extend"].error
     assert (sel.prefill, sel.decode) == ("torch", "torch")
+
+
+def test_extend_grid_times_factor_two_steps_last():
+    """The eager grid: coarse corners first, the factor-4 grid next, then the factor-2 steps of requests and
+    context (prompt-cache hits over 8k, multi-token decode over 2k) that a tight budget may skip; graph mode keys by
+    requests alone."""
+    from attnsel.validate.extend_grid import extend_grid
+
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    grid = extend_grid(spec, torch.device("cuda"), free_bytes=80 << 30)
+    levels = [level for level, _ in grid]
+    assert levels == sorted(levels) and set(levels) == {0, 1, 2}
+    by_shape = dict((shape, level) for level, shape in grid)
+    assert by_shape[(1, 2, 1024)] == 0 and by_shape[(4, 16, 4096)] == 1
+    assert by_shape[(8, 256, 8192)] == 2 and by_shape[(8, 4, 2048)] == 2
+    assert not any(c == 2048 and q > 4 for _, (_, q, c) in grid)
+    assert all(r * q <= 16384 and q <= c for _, (r, q, c) in grid)
+    graph = extend_grid(spec, torch.device("cuda"), free_bytes=80 << 30, mode="graph")
+    assert {q for _, (_, q, _) in graph} == {2, 4} and {r for _, (r, _, _) in graph} >= {1, 2, 8, 128, 256}

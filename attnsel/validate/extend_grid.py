@@ -3,7 +3,8 @@
 A bucket is (requests, query tokens per request, context per request, the queries included): the work of a chunk
 over a long prefix is set by its context, not by its new tokens alone, so the context is an axis. The grid covers
 multi-token decode and speculative verify (2-4 queries per request, up to 256 requests), prompt-cache hits (16-256
-new tokens over a cached prefix) and chunked prefill (1024 new tokens over prefixes up to 16k). Under CUDA graphs an
+new tokens over a cached prefix) and chunked prefill (1024 new tokens over prefixes up to 16k), in factor-2 steps of
+requests and context where the budget allows (level 2). Under CUDA graphs an
 engine captures per batch size: a bucket is a batch size timed at 2 and 4 queries over a short and a long context
 (dispatch scores each batch size by the geometric mean, as decode's graph table does).
 """
@@ -18,10 +19,15 @@ from .grid import MAX_DECODE_KV_BYTES, _coarse_first, decode_bytes
 from .inputs import _attention
 
 EXTEND_AXES = ("requests", "q_len", "context")
-EXTEND_REQUESTS = (1, 4, 16, 64, 256)
+EXTEND_REQUESTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 EXTEND_QLENS = (2, 4, 16, 64, 256, 1024)
-EXTEND_CTX = (1024, 4096, 16384)
+EXTEND_CTX = (1024, 2048, 4096, 8192, 16384)
 COARSE = {"requests": (1, 16, 256), "q_len": (2, 64, 1024), "context": (1024, 16384)}
+# level 1: the remaining values of a factor-4 grid; level 2 (timed as the budget allows): the factor-2 steps between
+# them, where the winner turns with the number of programs per SM (FA3 and its split variant on prompt-cache hits,
+# the split-KV kernels of multi-token decode); 2048 only for 2-4 queries (multi-token decode over short contexts)
+FINE = {"requests": (2, 8, 32, 128), "context": (2048, 8192)}
+SHORT_Q_ONLY = (2048,)
 MAX_EXTEND_TOKENS = 16384  # query tokens of one bucket
 GRAPH_EXTEND_QLENS = (2, 4)
 GRAPH_EXTEND_CTX = (1024, 8192)
@@ -47,6 +53,10 @@ def extend_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
                     continue
                 if mode == "graph":
                     level = 0 if r in COARSE["requests"] else 1
+                elif c in SHORT_Q_ONLY and q > 4:
+                    continue
+                elif r in FINE["requests"] or c in FINE["context"]:
+                    level = 2
                 else:
                     level = 0 if (r in COARSE["requests"] and q in COARSE["q_len"] and c in COARSE["context"]) else 1
                 grid.append((level, (r, q, c)))
