@@ -215,17 +215,18 @@ def test_empty_batch_and_rows_without_queries():
 
 def test_tiles_follow_query_rows():
     """Host sizes pick the tile: one query -> decode's tile; a few (x the group's heads <= 64 rows) -> one short
-    tile per row; more -> prefill-sized tiles (GPU sizes, not the interpreter's)."""
+    tile per row; more -> long tiles (GPU sizes, not the interpreter's)."""
     from attnsel.backends.triton.extend import extend_tiles
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(tb, "interpreted", lambda: False)
         assert extend_tiles(128, 4, 1).block_q == 1 and extend_tiles(128, 4, 1).block_g == 16
         mtp = extend_tiles(128, 4, 2)
-        assert (mtp.block_q, mtp.block_g, mtp.long) == (4, 4, False)
+        assert (mtp.block_q, mtp.block_g, mtp.num_stages, mtp.long) == (4, 4, 2, False)
         assert extend_tiles(128, 8, 8).long is False and extend_tiles(128, 8, 9).long is True
         long = extend_tiles(128, 4, 512)
-        assert (long.block_q * long.block_g, long.block_n, long.long) == (128, 128, True)
+        assert (long.block_q * long.block_g, long.block_n, long.num_warps, long.long) == (256, 64, 8, True)
+        assert extend_tiles(64, 4, 512).block_q * 4 == 128  # other head sizes: prefill's tiles
         assert extend_tiles(128, 128, 512).block_q == 2  # a group past the tile: still more than one query
 
 
