@@ -92,19 +92,19 @@ class HeldoutCell:
         batch by its mean and its longest row, as an engine plans it."""
         if self.phase == "prefill":
             return grid.prefill_key(list(self.lens))
-        if self.phase == "extend":
-            return extend_key(self.batch, sum(self.q_lens), sum(self.lens))
+        if self.phase == "extend":  # its means, and its longest context (as plan_extend's max_seq_len)
+            return (*extend_key(self.batch, sum(self.q_lens), sum(self.lens)), max(self.lens))
         if self.ragged:
             return (*grid.ragged_key(list(self.lens)), max(self.lens))
         return (self.batch, self.lens[0])
 
     def point(self) -> tuple[int, ...]:
         """The cell's place on the table's axes: prefill (sequences, total, longest), decode (batch, mean)."""
-        return self.key if self.phase != "decode" else self.key[:2]
+        return self.key if self.phase == "prefill" else self.key[:-1] if self.phase == "extend" else self.key[:2]
 
     def label(self, index: int) -> str:
         if self.phase == "extend":
-            _, q, c = self.key
+            _, q, c, _ = self.key
             return f"#{index} {self.kind} {self.batch}x{q} over {c}{' (ragged)' if self.ragged else ''}"
         if self.phase == "prefill":
             return f"#{index} {grid.prefill_label(list(self.lens))}"

@@ -9,6 +9,7 @@ import itertools
 import math
 
 from .validate import timing
+from .validate.extend_grid import EXTEND_AXES
 
 LOOKUP_RULES = ("interpolation", "ragged")  # DispatchTable.without's names of the lookup's rules
 TIE = 0.01  # measured within 1% of the fastest: priority order decides (a wider band lets a backend 2% slower win a
@@ -88,6 +89,7 @@ class DispatchTable:
     ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
     # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
     interpolate: bool = True  # False: the nearest bucket serves every shape (a lookup option, not stored: ``without``)
+    skew: bool = True  # False: a skewed extend batch goes by its means alone (a lookup option: ``without("ragged")``)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -149,17 +151,32 @@ class DispatchTable:
     def backend_for(self, key: tuple[int, ...], longest: int | None = None) -> str:
         """The backend that serves a shape given on the table's axes (interpolated between timed shapes, see the
         class docstring). Per axis the position between two timed values is rounded to 1/32 of their log distance,
-        so that shapes a few tokens apart share one memoised answer. ``longest``: a decode batch's longest context
-        (exact); for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean
-        (``key[1]``), near a timed ragged bucket (``covers``), the ragged buckets decide
-        (a ragged batch's speed is not its mean's uniform batch's: module timing); elsewhere the uniform ones (no
-        extrapolation of the ragged timings over the uniform ones)."""
+        so that shapes a few tokens apart share one memoised answer. ``longest``: the batch's longest context (exact).
+        An extend batch whose longest row is at least timing.RAGGED_SKEW times its mean: ``_skewed_extend``. Decode:
+        for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean (``key[1]``),
+        near a timed ragged bucket (``covers``), the ragged buckets decide (a ragged batch's speed is not its mean's
+        uniform batch's: module timing); elsewhere the uniform ones (no extrapolation of the ragged timings over the
+        uniform ones)."""
         self._check_key(key)
         if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
             return self.ragged.backend_for(key)
+        if self.skew and self.axes == EXTEND_AXES and longest is not None and self.skewed(key, longest):
+            hit = self._skewed_extend(key, longest)
+            if hit:
+                return hit
         if not self.interpolate:
             return self.bucket_for(key).backend
-        sides = []  # per axis: ((value, weight), ...): one entry on a timed value or beyond the ends, else two
+        sides = self._sides(key)
+        hit = self._picks.get(sides, _MISSING)
+        if hit is _MISSING:
+            hit = self._picks[sides] = self._interpolated(sides)
+        # the fallback is looked up from the exact key (bucket_for memoises on its own, finer rounding)
+        return hit or self.bucket_for(key).backend
+
+    def _sides(self, key: tuple[int, ...]) -> tuple:
+        """Per axis ((value, weight), ...): one entry on a timed value or beyond the ends, else the timed values
+        below and above with their weights (the position rounded to 1/32 of their log distance)."""
+        sides = []
         for values, x in zip(self._values, key):
             x = max(x, 1)
             i = bisect.bisect_left(values, x)
@@ -169,12 +186,42 @@ class DispatchTable:
                 lo, hi = values[i - 1], values[i]
                 w = round(32 * (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))) / 32
                 sides.append(((lo, 1.0 - w), (hi, w)))
-        sides = tuple(sides)
-        hit = self._picks.get(sides, _MISSING)
+        return tuple(sides)
+
+    @staticmethod
+    def skewed(key: tuple[int, ...], longest: int) -> bool:
+        """Whether an extend batch (requests, mean queries, mean context) is skewed: at least 2 requests, the longest
+        context at least timing.RAGGED_SKEW times the mean."""
+        return key[0] >= 2 and longest >= timing.RAGGED_SKEW * max(key[-1], 1)
+
+    def _log_times(self, key: tuple[int, ...]) -> dict[str, float]:
+        """Each candidate's log time (us) at a shape: interpolated multilinearly in log space where every corner of
+        the timed box around it was timed, else the nearest bucket's."""
+        corners = [(tuple(v for v, _ in combo), math.prod(w for _, w in combo))
+                   for combo in itertools.product(*self._sides(key))]
+        corners = [(c, w) for c, w in corners if w > 0]
+        if all(c in self._by_key for c, _ in corners):
+            names = set.intersection(*(set(self._by_key[c].times_us) for c, _ in corners))
+            if names:
+                return {n: sum(w * math.log(self._by_key[c].times_us[n]) for c, w in corners) for n in names}
+        return {n: math.log(t) for n, t in self.bucket_for(key).times_us.items() if t > 0}
+
+    def _skewed_extend(self, key: tuple[int, ...], longest: int) -> str | None:
+        """A skewed extend batch: a kernel that does not split a row's keys waits for its longest row, which the
+        buckets (uniform rows) never timed. Each candidate's estimate is its time at the batch's means plus its time
+        for one request of the longest context (the mean queries): a splitting kernel spreads the long row over the
+        GPU (a small term), one that does not runs it in one program per head (a large term; the larger of the two
+        alone missed the waves a long row waits behind, see the results file). The least estimate wins."""
+        memo = (self._sides(key), self._sides((1, key[1], longest)))
+        hit = self._picks.get(memo, _MISSING)
         if hit is _MISSING:
-            hit = self._picks[sides] = self._interpolated(sides)
-        # the fallback is looked up from the exact key (bucket_for memoises on its own, finer rounding)
-        return hit or self.bucket_for(key).backend
+            even, alone = self._log_times(key), self._log_times((1, key[1], longest))
+            cost = {n: math.log(math.exp(even[n]) + math.exp(alone[n])) for n in set(even) & set(alone)}
+            hit = min(cost, key=lambda n: (cost[n], self._order.index(n))) if cost else None
+            if len(self._picks) >= 4096:  # bounded memo
+                self._picks.clear()
+            self._picks[memo] = hit
+        return hit
 
     def without(self, *rules: str) -> "DispatchTable":
         """This table (and its ragged sub-table) with lookup rules beyond the nearest timed bucket switched off, to
@@ -185,7 +232,8 @@ class DispatchTable:
             raise ValueError(f"unknown lookup rule(s) {', '.join(map(repr, unknown))}; the rules that can be switched "
                              f"off: {', '.join(LOOKUP_RULES)}")
         ragged = None if "ragged" in rules or self.ragged is None else self.ragged.without(*rules)
-        return dataclasses.replace(self, interpolate=self.interpolate and "interpolation" not in rules, ragged=ragged)
+        return dataclasses.replace(self, interpolate=self.interpolate and "interpolation" not in rules, ragged=ragged,
+                                   skew=self.skew and "ragged" not in rules)
 
     def covers(self, key: tuple[int, ...], longest: int) -> bool:
         """Whether this (ragged) table serves a decode batch of ``key`` = (batch, mean context) whose longest row is

@@ -149,13 +149,16 @@ class Selection:
             return self.decode
         return table.backend_for((batch,) if len(table.axes) == 1 else (batch, context), longest)
 
-    def extend_backend_for(self, requests: int, q_len: int, context: int) -> str:
+    def extend_backend_for(self, requests: int, q_len: int, context: int, longest: int | None = None) -> str:
         """The backend that serves an extend batch of this shape (mean query tokens and mean context per request;
+        ``longest``: the longest row's context, which decides for a skewed batch, see DispatchTable.backend_for;
         mode "graph": the number of requests alone decides)."""
         table = self.phases["extend"].table
         if table is None:
             return self.extend
-        return table.backend_for((requests,) if len(table.axes) == 1 else (requests, q_len, context))
+        if len(table.axes) == 1:
+            return table.backend_for((requests,))
+        return table.backend_for((requests, q_len, context), longest)
 
     def plan_prefill(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, total_q: int | None = None, *, total_k: int | None = None,
@@ -260,7 +263,8 @@ class Selection:
         sync: the bucket is (requests, mean query tokens, mean context) from host ints: ``total_q`` (the batch's
         query tokens; default requests x ``max_seqlen_q``) and ``context_tokens`` (the contexts summed; default
         requests x ``max_seq_len``, else the page table's reach). ``max_seq_len`` bounds every row's context (default:
-        what the page table can hold). The run function checks q (its rows against ``total_q`` when given) and the
+        what the page table can hold); given, it also serves as the longest row's context, which decides for a
+        skewed batch (a backend that does not split a row's keys waits for its longest row). The run function checks q (its rows against ``total_q`` when given) and the
         caches against the spec; ``checked=False``: the backend's run itself (under ATTNSEL_CHECK_METADATA=1 both
         also refuse caches with fewer pages than the rows read). Keep the run function alive as long as any CUDA
         graph that captured it may be replayed."""
@@ -280,7 +284,7 @@ class Selection:
             raise SelectionError(f"this selection cannot serve extend (ragged queries over the paged cache): "
                                  f"{self.phases['extend'].error}", self)
         key = extend_key(requests, tokens, context)
-        name = self.extend_backend_for(*key)
+        name = self.extend_backend_for(*key, max_seq_len)  # the page table's reach is no row's length: not passed
         sample = None
         if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
             name, sample = self.canary.serve("extend", self.phases["extend"], key, None, name, seq_lens)

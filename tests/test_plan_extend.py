@@ -282,3 +282,24 @@ def test_extend_grid_times_factor_two_steps_last():
     assert all(r * q <= 16384 and q <= c for _, (r, q, c) in grid)
     graph = extend_grid(spec, torch.device("cuda"), free_bytes=80 << 30, mode="graph")
     assert {q for _, (_, q, _) in graph} == {2, 4} and {r for _, (r, _, _) in graph} >= {1, 2, 8, 128, 256}
+
+
+# rec_a reads a row's keys in one program (a row alone takes what a full batch of such rows takes); rec_b splits them
+# (a lone row is 10x faster) at 1.2x rec_a's time on uniform batches
+WHOLE_VS_SPLIT = {(r, q, c): {"rec_a": c / 100, "rec_b": c / 100 * (1.2 if r > 1 else 0.1)}
+                  for r in (1, 16, 64) for q in (2, 1024) for c in (1024, 16384)}
+
+
+def test_a_skewed_batch_goes_to_the_backend_that_does_not_wait_for_its_longest_row(monkeypatch, recorders):
+    """Multi-token decode over ragged contexts: 32 rows x 2 queries, mean context 1500, one row of 12000. At its
+    means rec_a is faster (1.2x), but rec_a ends with its longest row (12000 keys in one program: 120 us) where
+    rec_b splits it (12 us alone, 18 for the batch). Given the longest row (max_seq_len), plan_extend picks rec_b; a batch
+    skewed less than timing.RAGGED_SKEW, or planned without max_seq_len, goes by its means."""
+    sel = _select(monkeypatch, WHOLE_VS_SPLIT)
+    _meta_plan(sel, 32, 1024, 2, 12000, total_q=64, context_tokens=32 * 1500)
+    _meta_plan(sel, 32, 1024, 2, 3000, total_q=64, context_tokens=32 * 1500)  # skew 2 < 2.5
+    _meta_plan(sel, 32, 1024, 2, total_q=64, context_tokens=32 * 1500)  # no longest row given
+    assert recorders == ["rec_b", "rec_a", "rec_a"]
+    assert sel.extend_backend_for(32, 2, 1500, 12000) == "rec_b" and sel.extend_backend_for(32, 2, 1500) == "rec_a"
+    table = sel.dispatch["extend"]
+    assert table.without("ragged").backend_for((32, 2, 1500), 12000) == "rec_a"  # the rule, switched off
