@@ -12,6 +12,9 @@ Usage: python3 scripts/replay_dispatch.py bench/results/2026-12-04-round11/bench
        python3 scripts/replay_dispatch.py --runs A1.json A2.json B1.json B2.json   (two runs a and b of the same specs
        and grid, run a's files then run b's in the same order: cells whose fastest in one run is more than 3% behind
        in the other, both ways; for benches of one pass)
+       python3 scripts/replay_dispatch.py --heldout bench/results/2026-12-06-extend-h100/heldout.json   (a held-out
+       run's extend cells, each dispatched from its means and its longest context as plan_extend does: recorded
+       choice against the current code's; figures on seeds that chose a rule are in-sample)
        python3 scripts/replay_dispatch.py --passes bench/results/2026-12-05-round14/bench-*.json   (runs with
        --repeats 2 or more: every strategy judged by each pass and by their median, each pass's fastest judged by the
        median of the other passes)
@@ -250,7 +253,31 @@ def drift(a: Path, b: Path) -> None:
               f"largest {math.exp(moves[-1]):.2f}x; a's winner within 3% in b: {score(kept)}")
 
 
+def heldout(path: Path) -> None:
+    """A held-out run's extend cells replayed on its own selections' extend tables (module doc)."""
+    from attnsel.validate.extend_grid import extend_key
+
+    data = json.loads(path.read_text())
+    rows = [r for r in data["comparison"] if r["phase"] == "extend" and r["mode"] == "eager"]
+    specs = list(dict.fromkeys(r["spec"] for r in rows))  # the selections were made in this order
+    for spec, selection in zip(specs, [s for s in data["selections"] if s["mode"] == "eager"]):
+        table = DispatchTable.from_json(selection["dispatch"]["extend"])
+        mine = [r for r in rows if r["spec"] == spec]
+        now = []
+        for r in mine:
+            name = table.backend_for(extend_key(r["batch"], sum(r["q_lens"]), sum(r["lens"])), max(r["lens"]))
+            now.append(r["ratios"].get(name, math.inf))
+            if name != r["selected"]:
+                print(f"    {spec} {r['shape']}: {r['selected']} {r['selected_ratio']:.2f}x -> {name} {now[-1]:.2f}x")
+        print(f"{path} extend {spec}\n  recorded: {score([r['selected_ratio'] or math.inf for r in mine])}\n"
+              f"  now:      {score(now)}")
+
+
 def main(args: list[str]) -> None:
+    if args and args[0] == "--heldout":
+        for p in args[1:]:
+            heldout(Path(p))
+        return
     if args and args[0] == "--passes":
         passes([Path(p) for p in args[1:]])
         return
