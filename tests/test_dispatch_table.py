@@ -124,3 +124,19 @@ def test_the_pure_functions_take_milliseconds():
         DispatchTable.from_json(json.loads(json.dumps(table.to_json()))).backend_for((7, 700), longest=3000)
         str(table)
     assert (time.perf_counter() - start) / 20 < 0.05  # per build + round trip + lookup + print
+
+
+def test_replay_of_a_heldout_run_dispatches_extend_cells_by_their_longest_row():
+    """scripts/replay_dispatch.py --heldout on a recorded held-out run (H100, seed 23): each extend cell dispatched
+    from its means and its longest context as plan_extend does; 8/1's ragged multi-token decode cell moves from FA3
+    (2.62x behind) to fa3_split (the fastest)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "scripts/replay_dispatch.py", "--heldout",
+                          "bench/results/2026-12-06-extend-h100/heldout.json"], cwd=root, capture_output=True,
+                         text=True, check=True).stdout
+    assert "8/1 #3 mtp 27x3 over 2076 (ragged): fa3 2.62x -> fa3_split 1.00x" in out
+    assert "extend 8/1\n  recorded: 8/10 within 3%, geomean 1.109x, worst 2.62x\n  now:      9/10 within 3%" in out
