@@ -85,7 +85,7 @@ def test_greedy_generation_matches_sdpa(saved, kind, caplog):
         expected = ref.generate(input_ids=ids, attention_mask=mask, **gen)
         got = ours.generate(input_ids=ids, attention_mask=mask, **gen)
     assert torch.equal(expected, got)
-    assert "prefill: torch, decode: torch" in caplog.text  # the selection is logged (CPU: torch wins)
+    assert "prefill: torch, decode: torch, extend: torch" in caplog.text  # the selection is logged (CPU: torch wins)
     assert hf.fallbacks() == {} and "handing the call back" not in caplog.text
     la = ref(input_ids=ids, attention_mask=mask).logits
     lb = ours(input_ids=ids, attention_mask=mask).logits

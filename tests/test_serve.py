@@ -114,7 +114,7 @@ def test_startup_prints_the_selection(server):
     _, _, log = server
     log.seek(0)
     text = log.read()
-    assert "prefill: torch, decode: torch" in text
+    assert "prefill: torch, decode: torch, extend: torch" in text
     assert "prefill (explicit):" in text and "torch: selected" in text
     from attnsel.integrations import hf_kernels  # transformers >= 5.25 serves attnsel only as its Hub-kernel name
 

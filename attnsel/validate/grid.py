@@ -34,7 +34,7 @@ DECODE_TILE_TAIL = 32
 DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
 # Ragged decode buckets (eager mode): batches whose rows' contexts spread from 1/16 to 4 times their mean (longest
 # row 3.0-4.2x the mean), timed as a sub-table keyed like the uniform one (batch, mean context) and used for batches
-# of similar skew (longest row at least RAGGED_SKEW times the mean) near the timed ones (selection.DispatchTable.
+# of similar skew (longest row at least RAGGED_SKEW times the mean) near the timed ones (dispatch.DispatchTable.
 # covers): on such batches of 32 rows and more the uniform table's choice for their (batch, mean) can be far from the
 # fastest; up to 8 rows the two agree (see the results file).
 RAGGED_DECODE_BATCHES = (4, 8, 32, 128)

@@ -51,7 +51,7 @@ from ..backends import planner
 from .extend_grid import EXTEND_AXES, extend_grid, extend_label
 from .grid import (DECODE_AXES, PREFILL_AXES, decode_grid, device_sms, feature_inputs, prefill_grid, prefill_key,
                    prefill_label, ragged_decode_grid, ragged_key, rotated_workloads)
-from .grid import RAGGED_SKEW  # noqa: F401  selection.py reads it as timing.RAGGED_SKEW
+from .grid import RAGGED_SKEW  # noqa: F401  dispatch.py reads it as timing.RAGGED_SKEW
 from .host_probe import host_probe, host_reference
 
 log = logging.getLogger(__name__)
