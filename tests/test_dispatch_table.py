@@ -140,3 +140,42 @@ def test_replay_of_a_heldout_run_dispatches_extend_cells_by_their_longest_row():
                          text=True, check=True).stdout
     assert "8/1 #3 mtp 27x3 over 2076 (ragged): fa3 2.62x -> fa3_split 1.00x" in out
     assert "extend 8/1\n  recorded: 8/10 within 3%, geomean 1.109x, worst 2.62x\n  now:      9/10 within 3%" in out
+
+
+def extend_table(cells, order=("a", "b")):
+    """An eager extend table from {(requests, q_len, context): {name: us}}."""
+    buckets = [{"key": list(k), "label": f"{k[0]}x{k[1]} over {k[2]}", "us": dict(t), "spread": {}, "errors": {}}
+               for k, t in cells.items()]
+    return build_table({"phase": "extend", "mode": "eager", "grid_version": 9, "axes": ["requests", "q_len", "context"],
+                        "buckets": buckets, "skipped": [], "wall_s": None, "pruned": {}}, list(order))
+
+
+# b's time falls with the context where a's does not: between the contexts b's interpolated time is well below the
+# shorter context's (the nearest bucket), where a is faster
+SKEW_CELLS = {(1, 2, 1024): {"a": 10.0, "b": 10.0}, (1, 2, 16384): {"a": 50.0, "b": 51.0},
+              (16, 2, 1024): {"a": 100.0, "b": 110.0}, (16, 2, 16384): {"a": 100.0, "b": 10.0}}
+
+
+def test_a_skewed_extend_lookup_leaves_out_times_the_table_cannot_use():
+    """A loaded (or hand-made) extend table whose buckets hold a time of 0 or None for a candidate: the
+    interpolation leaves such a time out (the bucket takes no part for it), and so does the skewed-extend estimate
+    (its time at the means plus one row of the longest context), rather than raising on log(0) or None."""
+    table = extend_table(SKEW_CELLS)
+    data = table.to_json()
+    for b in data["buckets"]:
+        b["times_us"].update(c=0.0, d=None)
+    loaded = DispatchTable.from_json(json.loads(json.dumps(data)))
+    for key, longest in (((16, 2, 1500), 16384), ((8, 2, 3000), 12000), ((16, 2, 1024), 16384)):
+        assert loaded.backend_for(key, longest) == table.backend_for(key, longest)
+
+
+def test_a_skewed_extend_lookup_without_interpolation_reads_the_nearest_buckets():
+    """without("interpolation"): the nearest timed bucket serves every shape, the skewed-extend estimate included
+    (its time at the means from the nearest bucket), so that a replay measures what interpolation earns. 16 rows,
+    mean context 1500, one of 16384: interpolated between the contexts b is faster (its 81 us at the means + 51 us
+    alone against a's 100 + 50); the nearest bucket (16 x 2 over 1024) has a faster (100 + 50 against 110 + 51)."""
+    table = extend_table(SKEW_CELLS)
+    assert table.backend_for((16, 2, 1500), 16384) == "b"
+    assert table.without("interpolation").backend_for((16, 2, 1500), 16384) == "a"
+    assert table.without("interpolation", "ragged").backend_for((16, 2, 1500), 16384) == "a"
+
