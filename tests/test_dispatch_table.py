@@ -179,3 +179,35 @@ def test_a_skewed_extend_lookup_without_interpolation_reads_the_nearest_buckets(
     assert table.without("interpolation").backend_for((16, 2, 1500), 16384) == "a"
     assert table.without("interpolation", "ragged").backend_for((16, 2, 1500), 16384) == "a"
 
+
+def _heldout_row(spec, shape, batch, q_lens, lens, selected, ratios):
+    return {"spec": spec, "phase": "extend", "mode": "eager", "shape": shape, "batch": batch, "q_lens": q_lens,
+            "lens": lens, "selected": selected, "selected_ratio": ratios.get(selected), "ratios": ratios}
+
+
+def test_replay_of_a_heldout_run_pairs_each_spec_with_its_own_selection(tmp_path):
+    """scripts/replay_dispatch.py --heldout: a spec whose selection failed has no selection record (bench.select_modes
+    leaves it out); the other specs' cells are still replayed on their own tables, not on a neighbour's, and a
+    recorded choice without a time in its cell (it failed there) prints as such."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from attnsel.spec import AttentionSpec
+
+    a_wins = extend_table({(r, 2, c): {"a": 1.0, "b": 2.0} for r in (1, 16) for c in (1024, 16384)})
+    b_wins = extend_table({(r, 2, c): {"a": 2.0, "b": 1.0} for r in (1, 16) for c in (1024, 16384)})
+    one, two = AttentionSpec(32, 8, 128, "bf16", 16), AttentionSpec(8, 1, 128, "bf16", 16)
+    data = {"comparison": [_heldout_row("32/8", "#1 mtp 4x2 over 2000", 4, [2] * 4, [2000] * 4, "a", {"a": 1.0}),
+                           _heldout_row("8/1", "#1 mtp 4x2 over 2000", 4, [2] * 4, [2000] * 4, "a", {"b": 1.0})],
+            "selections": [{"spec": s.to_dict(), "mode": "eager", "dispatch": {"extend": t.to_json()}}
+                           for s, t in ((one, a_wins), (two, b_wins))][1:]}  # 32/8's selection failed
+    path = tmp_path / "heldout.json"
+    path.write_text(json.dumps(data))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "scripts/replay_dispatch.py", "--heldout", str(path)], cwd=root,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{path} extend 32/8: no eager selection recorded with an extend table" in proc.stdout
+    assert "8/1 #1 mtp 4x2 over 2000: a no time -> b 1.00x" in proc.stdout
+    assert f"{path} extend 8/1\n  recorded: 0/1 within 3%" in proc.stdout
