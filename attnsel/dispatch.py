@@ -108,12 +108,14 @@ class DispatchTable:
         object.__setattr__(self, "_bounds", bounds)
         object.__setattr__(self, "_cells", {})
         object.__setattr__(self, "_by_key", {b.key: b for b in self.buckets})
-        slowdowns = {}
+        usable, slowdowns = {}, {}
         for b in self.buckets:  # a bucket without usable times (hand-made tables) just never takes part
             times = {n: t for n, t in b.times_us.items() if isinstance(t, (int, float)) and t > 0}
             if times:
                 best = min(times.values())
+                usable[b.key] = times
                 slowdowns[b.key] = {n: math.log(t / best) for n, t in times.items()}
+        object.__setattr__(self, "_usable", usable)
         object.__setattr__(self, "_slowdowns", slowdowns)
         object.__setattr__(self, "_picks", {})
         # candidates in the order the tables were built with (bucket winners first): the last tie-break
@@ -196,15 +198,17 @@ class DispatchTable:
 
     def _log_times(self, key: tuple[int, ...]) -> dict[str, float]:
         """Each candidate's log time (us) at a shape: interpolated multilinearly in log space where every corner of
-        the timed box around it was timed, else the nearest bucket's."""
-        corners = [(tuple(v for v, _ in combo), math.prod(w for _, w in combo))
-                   for combo in itertools.product(*self._sides(key))]
-        corners = [(c, w) for c, w in corners if w > 0]
-        if all(c in self._by_key for c, _ in corners):
-            names = set.intersection(*(set(self._by_key[c].times_us) for c, _ in corners))
-            if names:
-                return {n: sum(w * math.log(self._by_key[c].times_us[n]) for c, w in corners) for n in names}
-        return {n: math.log(t) for n, t in self.bucket_for(key).times_us.items() if t > 0}
+        the timed box around it was timed, else (or with interpolation off) the nearest bucket's. Usable times only
+        (a time of 0 or None in a loaded table takes no part, as in the interpolation)."""
+        if self.interpolate:
+            corners = [(tuple(v for v, _ in combo), math.prod(w for _, w in combo))
+                       for combo in itertools.product(*self._sides(key))]
+            corners = [(c, w) for c, w in corners if w > 0]
+            if all(c in self._usable for c, _ in corners):
+                names = set.intersection(*(set(self._usable[c]) for c, _ in corners))
+                if names:
+                    return {n: sum(w * math.log(self._usable[c][n]) for c, w in corners) for n in names}
+        return {n: math.log(t) for n, t in self._usable.get(self.bucket_for(key).key, {}).items()}
 
     def _skewed_extend(self, key: tuple[int, ...], longest: int) -> str | None:
         """A skewed extend batch: a kernel that does not split a row's keys waits for its longest row, which the

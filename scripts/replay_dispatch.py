@@ -259,16 +259,22 @@ def heldout(path: Path) -> None:
 
     data = json.loads(path.read_text())
     rows = [r for r in data["comparison"] if r["phase"] == "extend" and r["mode"] == "eager"]
-    specs = list(dict.fromkeys(r["spec"] for r in rows))  # the selections were made in this order
-    for spec, selection in zip(specs, [s for s in data["selections"] if s["mode"] == "eager"]):
-        table = DispatchTable.from_json(selection["dispatch"]["extend"])
+    # by spec: a spec whose selection failed has no record (bench.select_modes), so the order does not pair them
+    tables = {bench.spec_label(s["spec"]): (s.get("dispatch") or {}).get("extend")
+              for s in data["selections"] if s["mode"] == "eager"}
+    for spec in dict.fromkeys(r["spec"] for r in rows):
+        if not tables.get(spec):
+            print(f"{path} extend {spec}: no eager selection recorded with an extend table")
+            continue
+        table = DispatchTable.from_json(tables[spec])
         mine = [r for r in rows if r["spec"] == spec]
         now = []
         for r in mine:
             name = table.backend_for(extend_key(r["batch"], sum(r["q_lens"]), sum(r["lens"])), max(r["lens"]))
             now.append(r["ratios"].get(name, math.inf))
             if name != r["selected"]:
-                print(f"    {spec} {r['shape']}: {r['selected']} {r['selected_ratio']:.2f}x -> {name} {now[-1]:.2f}x")
+                was = f"{r['selected_ratio']:.2f}x" if r["selected_ratio"] else "no time"
+                print(f"    {spec} {r['shape']}: {r['selected']} {was} -> {name} {now[-1]:.2f}x")
         print(f"{path} extend {spec}\n  recorded: {score([r['selected_ratio'] or math.inf for r in mine])}\n"
               f"  now:      {score(now)}")
 

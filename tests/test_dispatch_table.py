@@ -140,3 +140,74 @@ def test_replay_of_a_heldout_run_dispatches_extend_cells_by_their_longest_row():
                          text=True, check=True).stdout
     assert "8/1 #3 mtp 27x3 over 2076 (ragged): fa3 2.62x -> fa3_split 1.00x" in out
     assert "extend 8/1\n  recorded: 8/10 within 3%, geomean 1.109x, worst 2.62x\n  now:      9/10 within 3%" in out
+
+
+def extend_table(cells, order=("a", "b")):
+    """An eager extend table from {(requests, q_len, context): {name: us}}."""
+    buckets = [{"key": list(k), "label": f"{k[0]}x{k[1]} over {k[2]}", "us": dict(t), "spread": {}, "errors": {}}
+               for k, t in cells.items()]
+    return build_table({"phase": "extend", "mode": "eager", "grid_version": 9, "axes": ["requests", "q_len", "context"],
+                        "buckets": buckets, "skipped": [], "wall_s": None, "pruned": {}}, list(order))
+
+
+# b's time falls with the context where a's does not: between the contexts b's interpolated time is well below the
+# shorter context's (the nearest bucket), where a is faster
+SKEW_CELLS = {(1, 2, 1024): {"a": 10.0, "b": 10.0}, (1, 2, 16384): {"a": 50.0, "b": 51.0},
+              (16, 2, 1024): {"a": 100.0, "b": 110.0}, (16, 2, 16384): {"a": 100.0, "b": 10.0}}
+
+
+def test_a_skewed_extend_lookup_leaves_out_times_the_table_cannot_use():
+    """A loaded (or hand-made) extend table whose buckets hold a time of 0 or None for a candidate: the
+    interpolation leaves such a time out (the bucket takes no part for it), and so does the skewed-extend estimate
+    (its time at the means plus one row of the longest context), rather than raising on log(0) or None."""
+    table = extend_table(SKEW_CELLS)
+    data = table.to_json()
+    for b in data["buckets"]:
+        b["times_us"].update(c=0.0, d=None)
+    loaded = DispatchTable.from_json(json.loads(json.dumps(data)))
+    for key, longest in (((16, 2, 1500), 16384), ((8, 2, 3000), 12000), ((16, 2, 1024), 16384)):
+        assert loaded.backend_for(key, longest) == table.backend_for(key, longest)
+
+
+def test_a_skewed_extend_lookup_without_interpolation_reads_the_nearest_buckets():
+    """without("interpolation"): the nearest timed bucket serves every shape, the skewed-extend estimate included
+    (its time at the means from the nearest bucket), so that a replay measures what interpolation earns. 16 rows,
+    mean context 1500, one of 16384: interpolated between the contexts b is faster (its 81 us at the means + 51 us
+    alone against a's 100 + 50); the nearest bucket (16 x 2 over 1024) has a faster (100 + 50 against 110 + 51)."""
+    table = extend_table(SKEW_CELLS)
+    assert table.backend_for((16, 2, 1500), 16384) == "b"
+    assert table.without("interpolation").backend_for((16, 2, 1500), 16384) == "a"
+    assert table.without("interpolation", "ragged").backend_for((16, 2, 1500), 16384) == "a"
+
+
+def _heldout_row(spec, shape, batch, q_lens, lens, selected, ratios):
+    return {"spec": spec, "phase": "extend", "mode": "eager", "shape": shape, "batch": batch, "q_lens": q_lens,
+            "lens": lens, "selected": selected, "selected_ratio": ratios.get(selected), "ratios": ratios}
+
+
+def test_replay_of_a_heldout_run_pairs_each_spec_with_its_own_selection(tmp_path):
+    """scripts/replay_dispatch.py --heldout: a spec whose selection failed has no selection record (bench.select_modes
+    leaves it out); the other specs' cells are still replayed on their own tables, not on a neighbour's, and a
+    recorded choice without a time in its cell (it failed there) prints as such."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from attnsel.spec import AttentionSpec
+
+    a_wins = extend_table({(r, 2, c): {"a": 1.0, "b": 2.0} for r in (1, 16) for c in (1024, 16384)})
+    b_wins = extend_table({(r, 2, c): {"a": 2.0, "b": 1.0} for r in (1, 16) for c in (1024, 16384)})
+    one, two = AttentionSpec(32, 8, 128, "bf16", 16), AttentionSpec(8, 1, 128, "bf16", 16)
+    data = {"comparison": [_heldout_row("32/8", "#1 mtp 4x2 over 2000", 4, [2] * 4, [2000] * 4, "a", {"a": 1.0}),
+                           _heldout_row("8/1", "#1 mtp 4x2 over 2000", 4, [2] * 4, [2000] * 4, "a", {"b": 1.0})],
+            "selections": [{"spec": s.to_dict(), "mode": "eager", "dispatch": {"extend": t.to_json()}}
+                           for s, t in ((one, a_wins), (two, b_wins))][1:]}  # 32/8's selection failed
+    path = tmp_path / "heldout.json"
+    path.write_text(json.dumps(data))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "scripts/replay_dispatch.py", "--heldout", str(path)], cwd=root,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{path} extend 32/8: no eager selection recorded with an extend table" in proc.stdout
+    assert "8/1 #1 mtp 4x2 over 2000: a no time -> b 1.00x" in proc.stdout
+    assert f"{path} extend 8/1\n  recorded: 0/1 within 3%" in proc.stdout

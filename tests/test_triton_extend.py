@@ -263,6 +263,14 @@ GPU_CASES = {
     "softcap-window-d256-page64": (AttentionSpec(16, 8, 256, "bf16", 64, sliding_window=4096, softcap=50.0),
                                    [700, 4, 4], [6000, 5000, 9]),
     "fp8-page16": (AttentionSpec(32, 8, 128, "bf16", 16, kv_dtype="fp8_e4m3"), [256, 2, 2, 2], [3000, 4000, 2, 700]),
+    # the long tile at head_dim 96-128 (256 rows x 64 keys) at the groups its sweep did not check: 256 tokens x 1
+    # head, 16 x 16 heads, 2 x 128 heads; head_dim 96 padded to 128; every feature on
+    "long-g1-d128-softcap-sinks": (AttentionSpec(8, 8, 128, "bf16", 16, softcap=30.0, sinks=True),
+                                   [300, 2, 70, 0], [5000, 3000, 70, 9]),
+    "long-g16-d128-window": (AttentionSpec(32, 2, 128, "bf16", 16, sliding_window=1000), [600, 5, 40], [4000, 900, 40]),
+    "long-g128-d128": (AttentionSpec(128, 1, 128, "bf16", 16), [9, 300], [2000, 700]),
+    "long-g4-d96-fp8-sinks": (AttentionSpec(32, 8, 96, "bf16", 16, kv_dtype="fp8_e4m3", sinks=True), [400, 100, 3],
+                              [2000, 100, 3000]),
 }
 
 
