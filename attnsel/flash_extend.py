@@ -187,7 +187,7 @@ def _plan(sel, call: ExtendCall, cu_seqlens_q, page_table: torch.Tensor, page_si
                                            page_size, func, lens_name)
     slots = (kv_append.plan_new_slots(page_table, cached, cu_new, call.k.shape[0], page_size) if append else None)
     run = sel.plan_extend(cu_q, page_table, seq_lens, call.max_q, max_seq_len=max_len, total_q=call.q.shape[0],
-                          context_tokens=context, checked=False)
+                          context_tokens=context, longest=None if context is None else max_len, checked=False)
     return ExtendPlan(run, slots, (cu_q, seq_lens))
 
 

@@ -255,7 +255,7 @@ class Selection:
 
     def plan_extend(self, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                     max_seqlen_q: int, max_seq_len: int | None = None, total_q: int | None = None,
-                    context_tokens: int | None = None, *, checked: bool = True) -> RunFn:
+                    context_tokens: int | None = None, *, longest: int | None = None, checked: bool = True) -> RunFn:
         """Plan ragged queries over the paged cache (chunked prefill over a cached prefix, a prompt-cache hit,
         multi-token decode, speculative verify) on the backend its shape dispatches to; returns ``run(q, k_cache,
         v_cache)`` with q ``[total_q, heads, head_dim]`` (shapes and semantics: backends.Backend, plan_extend).
@@ -263,14 +263,16 @@ class Selection:
         sync: the bucket is (requests, mean query tokens, mean context) from host ints: ``total_q`` (the batch's
         query tokens; default requests x ``max_seqlen_q``) and ``context_tokens`` (the contexts summed; default
         requests x ``max_seq_len``, else the page table's reach). ``max_seq_len`` bounds every row's context (default:
-        what the page table can hold); given, it also serves as the longest row's context, which decides for a
-        skewed batch (a backend that does not split a row's keys waits for its longest row). The run function checks q (its rows against ``total_q`` when given) and the
+        what the page table can hold). ``longest``: the longest row's exact context (a host int), which decides for
+        a skewed batch (a backend that does not split a row's keys waits for its longest row; see
+        DispatchTable.backend_for); unlike ``max_seq_len`` never a loose bound. The run function checks q (its rows against ``total_q`` when given) and the
         caches against the spec; ``checked=False``: the backend's run itself (under ATTNSEL_CHECK_METADATA=1 both
         also refuse caches with fewer pages than the rows read). Keep the run function alive as long as any CUDA
         graph that captured it may be replayed."""
         check_extend_metadata(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len)
         for arg, value, what in (("total_q", total_q, "q's rows: the batch's query tokens, padding included"),
-                                 ("context_tokens", context_tokens, "the requests' contexts summed")):
+                                 ("context_tokens", context_tokens, "the requests' contexts summed"),
+                                 ("longest", longest, "the longest row's exact context")):
             if value is not None and (not _host_int(value) or value < 0):  # a tensor would be read: a device sync
                 raise InvalidArgument(f"{arg}: expected None or a non-negative Python int ({what}), got {value!r}")
         requests = seq_lens.shape[0]
@@ -284,7 +286,7 @@ class Selection:
             raise SelectionError(f"this selection cannot serve extend (ragged queries over the paged cache): "
                                  f"{self.phases['extend'].error}", self)
         key = extend_key(requests, tokens, context)
-        name = self.extend_backend_for(*key, max_seq_len)  # the page table's reach is no row's length: not passed
+        name = self.extend_backend_for(*key, longest)
         sample = None
         if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
             name, sample = self.canary.serve("extend", self.phases["extend"], key, None, name, seq_lens)

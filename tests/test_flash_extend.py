@@ -201,10 +201,10 @@ class Recorder:
         return self
 
     def plan_extend(self, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len=None, total_q=None,
-                    context_tokens=None, *, checked=True):
+                    context_tokens=None, *, longest=None, checked=True):
         self.plans.append(dict(cu_seqlens_q=cu_seqlens_q.tolist(), seq_lens=seq_lens.tolist(),
                                max_seqlen_q=max_seqlen_q, max_seq_len=max_seq_len, total_q=total_q,
-                               context_tokens=context_tokens, checked=checked))
+                               context_tokens=context_tokens, longest=longest, checked=checked))
         return lambda q, k_cache, v_cache, **kw: torch.zeros_like(q)
 
 
@@ -219,7 +219,7 @@ def test_what_plan_extend_gets(monkeypatch):
     attnsel.flash_attn_with_kvcache(torch.stack(s.q), s.kc, s.vc, k.view(2, 3, HK, D), v.view(2, 3, HK, D),
                                     cache_seqlens=s.cached_lens(), page_table=s.table, causal=True)
     assert rec.plans == [dict(cu_seqlens_q=[0, 3, 6], seq_lens=[5, 12], max_seqlen_q=3, max_seq_len=12, total_q=6,
-                              context_tokens=17, checked=False)]
+                              context_tokens=17, longest=12, checked=False)]
     assert rec.spec.causal and rec.spec.page_size == 16
 
 
@@ -236,6 +236,7 @@ def test_a_captured_call_plans_on_the_graph_selection_from_host_bounds(monkeypat
         attnsel.flash_attn_with_kvcache(torch.cat(s.q), s.kc, s.vc, **args)
     assert [p["max_seq_len"] for p in rec.plans] == [s.table.shape[1] * 16] * 2  # planned afresh each call
     assert [p["context_tokens"] for p in rec.plans] == [None, None]
+    assert [p["longest"] for p in rec.plans] == [None, None]  # the table's capacity is no row's length
     assert "graph" in rec.modes and len(flash_api.default()._extend._captured) == 2
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attnsel import AttentionSpec, SelectionError, select
+from attnsel.errors import InvalidArgument
 from attnsel.backends.torch_sdpa import BACKEND as TORCH
 from attnsel.selection import PhaseChoice, build_table
 from attnsel.validate.cases import cumulative
@@ -293,13 +294,16 @@ WHOLE_VS_SPLIT = {(r, q, c): {"rec_a": c / 100, "rec_b": c / 100 * (1.2 if r > 1
 def test_a_skewed_batch_goes_to_the_backend_that_does_not_wait_for_its_longest_row(monkeypatch, recorders):
     """Multi-token decode over ragged contexts: 32 rows x 2 queries, mean context 1500, one row of 12000. At its
     means rec_a is faster (1.2x), but rec_a ends with its longest row (12000 keys in one program: 120 us) where
-    rec_b splits it (12 us alone, 18 for the batch). Given the longest row (max_seq_len), plan_extend picks rec_b; a batch
-    skewed less than timing.RAGGED_SKEW, or planned without max_seq_len, goes by its means."""
+    rec_b splits it (12 us alone, 18 for the batch). Given the longest row (``longest=``), plan_extend picks rec_b; a batch
+    skewed less than timing.RAGGED_SKEW, or planned with max_seq_len alone (a bound), goes by its means."""
     sel = _select(monkeypatch, WHOLE_VS_SPLIT)
-    _meta_plan(sel, 32, 1024, 2, 12000, total_q=64, context_tokens=32 * 1500)
-    _meta_plan(sel, 32, 1024, 2, 3000, total_q=64, context_tokens=32 * 1500)  # skew 2 < 2.5
-    _meta_plan(sel, 32, 1024, 2, total_q=64, context_tokens=32 * 1500)  # no longest row given
+    _meta_plan(sel, 32, 1024, 2, 12000, total_q=64, context_tokens=32 * 1500, longest=12000)
+    _meta_plan(sel, 32, 1024, 2, 12000, total_q=64, context_tokens=32 * 1500, longest=3000)  # skew 2 < 2.5
+    _meta_plan(sel, 32, 1024, 2, 12000, total_q=64, context_tokens=32 * 1500)  # a bound, no longest row given
     assert recorders == ["rec_b", "rec_a", "rec_a"]
+    with pytest.raises(InvalidArgument, match=r"^longest: expected None or a non-negative Python int \(the longest "
+                                              r"row's exact context\), got 1.5$"):
+        _meta_plan(sel, 32, 1024, 2, total_q=64, longest=1.5)
     assert sel.extend_backend_for(32, 2, 1500, 12000) == "rec_b" and sel.extend_backend_for(32, 2, 1500) == "rec_a"
     table = sel.dispatch["extend"]
     assert table.without("ragged").backend_for((32, 2, 1500), 12000) == "rec_a"  # the rule, switched off

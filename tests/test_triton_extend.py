@@ -215,7 +215,7 @@ def test_empty_batch_and_rows_without_queries():
 
 def test_tiles_follow_query_rows():
     """Host sizes pick the tile: one query -> decode's tile; a few (x the group's heads <= 64 rows) -> one short
-    tile per row; more -> long tiles (GPU sizes, not the interpreter's)."""
+    tile per row; more -> prefill-sized tiles (GPU sizes, not the interpreter's)."""
     from attnsel.backends.triton.extend import extend_tiles
 
     with pytest.MonkeyPatch.context() as m:
@@ -225,8 +225,7 @@ def test_tiles_follow_query_rows():
         assert (mtp.block_q, mtp.block_g, mtp.num_stages, mtp.long) == (4, 4, 2, False)
         assert extend_tiles(128, 8, 8).long is False and extend_tiles(128, 8, 9).long is True
         long = extend_tiles(128, 4, 512)
-        assert (long.block_q * long.block_g, long.block_n, long.num_warps, long.long) == (256, 64, 8, True)
-        assert extend_tiles(64, 4, 512).block_q * 4 == 128  # other head sizes: prefill's tiles
+        assert (long.block_q * long.block_g, long.block_n, long.long) == (128, 128, True)
         assert extend_tiles(128, 128, 512).block_q == 2  # a group past the tile: still more than one query
 
 
@@ -263,8 +262,7 @@ GPU_CASES = {
     "softcap-window-d256-page64": (AttentionSpec(16, 8, 256, "bf16", 64, sliding_window=4096, softcap=50.0),
                                    [700, 4, 4], [6000, 5000, 9]),
     "fp8-page16": (AttentionSpec(32, 8, 128, "bf16", 16, kv_dtype="fp8_e4m3"), [256, 2, 2, 2], [3000, 4000, 2, 700]),
-    # the long tile at head_dim 96-128 (256 rows x 64 keys) at the groups its sweep did not check: 256 tokens x 1
-    # head, 16 x 16 heads, 2 x 128 heads; head_dim 96 padded to 128; every feature on
+    # long tiles at groups 1, 16 and 128 (tokens x heads per tile), head_dim 96 padded to 128; every feature on
     "long-g1-d128-softcap-sinks": (AttentionSpec(8, 8, 128, "bf16", 16, softcap=30.0, sinks=True),
                                    [300, 2, 70, 0], [5000, 3000, 70, 9]),
     "long-g16-d128-window": (AttentionSpec(32, 2, 128, "bf16", 16, sliding_window=1000), [600, 5, 40], [4000, 900, 40]),

@@ -87,7 +87,8 @@ def paged_extend(state, sel, layer_idx: int, q: torch.Tensor, key: torch.Tensor,
     def plan(on):
         page_table, lens = paged_page_table(read_index, cu_k, block, int(max_k))
         return on.plan_extend(cu_q.to(torch.int32), page_table, lens, int(max_q), max_seq_len=int(max_k),
-                              total_q=tokens, context_tokens=None if capturing else read_index.numel())
+                              total_q=tokens, context_tokens=None if capturing else read_index.numel(),
+                              longest=None if capturing else int(max_k))
 
     if capturing:
         run = plan(sel if sel.mode == GRAPH else state.selection_for(sel.spec, q.device, GRAPH))

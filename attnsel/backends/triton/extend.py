@@ -45,15 +45,10 @@ def extend_tiles(head_dim: int, group: int, max_q: int) -> ExtendTiles:
         # two stages, not decode's four: the tile sweep's best for 2-4 queries (see the results file)
         stages = 2 if 64 < head_dim <= 128 and not interpreted() else dec.num_stages
         return ExtendTiles(max(triton_next_pow2(max_q), 16 // g), g, dec.block_n, dec.num_warps, stages, False)
-    # long rows: rows = tokens x heads; the interpreter's tiles are small (tests reach every block kind on short
-    # rows); at least 2 tokens: a one-token tile is decode's code, for one query per row. head_dim 128: 256 rows
-    # over 64 keys (the tile sweep's best over a cached prefix, see the results file); else prefill's tiles
-    if interpreted():
-        cfg = TileConfig(32, 16, 4, 1)
-    elif 64 < head_dim <= 128:
-        cfg = TileConfig(256, 64, 8, 4)
-    else:
-        cfg = prefill_config(head_dim)
+    # long rows: prefill's tiles (rows = tokens x heads here; 256-row tiles ran faster but spill registers, see the
+    # results file); the interpreter's are small (tests reach every block kind on short rows); at least 2 tokens: a
+    # one-token tile is decode's code, for one query per row
+    cfg = TileConfig(32, 16, 4, 1) if interpreted() else prefill_config(head_dim)
     return ExtendTiles(max(2, cfg.block_m // g), g, cfg.block_n, cfg.num_warps, cfg.num_stages, True)
 
 
