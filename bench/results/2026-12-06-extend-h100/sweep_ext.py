@@ -35,11 +35,12 @@ for name in ("fa3",):
 def tiles(bq, bg, bn, w, s, long):
     return lambda hd, g, mq: te.ExtendTiles(bq, bg, bn, w, s, long) if mq > 1 else orig(hd, g, mq)
 
-mtp_cfgs = [(4, 4, 64, 4, 2), (4, 4, 128, 4, 2)]
-_x = [(4, 4, 64, 4, 4), (4, 4, 32, 4, 4), (4, 4, 128, 4, 3), (4, 4, 64, 4, 2), (4, 4, 64, 8, 4), (4, 4, 64, 4, 3),
+# usage: python3 sweep_ext.py OUT.json [1|2]: the configurations of the first sweep (default) or the second
+SECOND = len(sys.argv) > 2 and sys.argv[2] == "2"
+mtp_cfgs = [(4, 4, 64, 4, 2), (4, 4, 128, 4, 2)] if SECOND else [(4, 4, 64, 4, 4), (4, 4, 32, 4, 4), (4, 4, 128, 4, 3), (4, 4, 64, 4, 2), (4, 4, 64, 8, 4), (4, 4, 64, 4, 3),
             (2, 8, 64, 4, 4), (4, 4, 32, 4, 2), (4, 4, 128, 8, 2)]
-long_cfgs = [(64, 4, 64, 8, 3), (64, 4, 64, 8, 4), (64, 4, 64, 4, 3), (64, 4, 32, 4, 3), (64, 4, 64, 8, 2), (32, 4, 64, 4, 4), (32, 4, 32, 4, 3)]
-_y = [(32, 4, 128, 8, 3), (32, 4, 64, 8, 3), (32, 4, 64, 4, 3), (32, 4, 128, 8, 2), (32, 4, 128, 8, 4),
+long_cfgs = [(64, 4, 64, 8, 3), (64, 4, 64, 8, 4), (64, 4, 64, 4, 3), (64, 4, 32, 4, 3), (64, 4, 64, 8, 2),
+             (32, 4, 64, 4, 4), (32, 4, 32, 4, 3)] if SECOND else [(32, 4, 128, 8, 3), (32, 4, 64, 8, 3), (32, 4, 64, 4, 3), (32, 4, 128, 8, 2), (32, 4, 128, 8, 4),
              (16, 4, 128, 4, 3), (16, 4, 64, 4, 3), (16, 4, 64, 4, 4), (64, 4, 64, 8, 3), (32, 4, 32, 4, 4),
              (64, 4, 128, 8, 2), (16, 4, 128, 8, 3)]
 T0 = time.time()
@@ -50,24 +51,22 @@ r = mtp.plan(tri); res["mtp_nomerge"] = [ms(lambda: r(mtp.q, mtp.k_cache, mtp.v_
 dec2 = tri.plan_decode(spec, mtp.page_table, mtp.seq_lens); res["decode_nomerge"] = ms(lambda: dec2(q1, mtp.k_cache, mtp.v_cache))
 tbk.MERGE_IN_DECODE_KERNEL = True
 print(res, flush=True)
-for cfg in mtp_cfgs:
-    if time.time() - T0 > 100: break
-    te.extend_tiles = tiles(*cfg, False)
-    try:
-        r = mtp.plan(tri); out = r(mtp.q, mtp.k_cache, mtp.v_cache); torch.cuda.synchronize(); mtp.check(out)
-        res[f"mtp{cfg}"] = [ms(lambda: r(mtp.q, mtp.k_cache, mtp.v_cache)), r.splits]
-    except Exception as e:
-        res[f"mtp{cfg}"] = repr(e)[:200]
-    print(f"mtp{cfg}", res[f"mtp{cfg}"], flush=True)
-for cfg in long_cfgs:
-    if time.time() - T0 > 230: break
-    te.extend_tiles = tiles(*cfg, True)
-    try:
-        r = chunk.plan(tri); out = r(chunk.q, chunk.k_cache, chunk.v_cache); torch.cuda.synchronize(); chunk.check(out)
-        res[f"long{cfg}"] = [ms(lambda: r(chunk.q, chunk.k_cache, chunk.v_cache)), r.splits]
-    except Exception as e:
-        res[f"long{cfg}"] = repr(e)[:200]
-    print(f"long{cfg}", res[f"long{cfg}"], flush=True)
+def sweep(tag, batch, cfgs, long, deadline):
+    """Each configuration checked row by row against float32, then timed."""
+    for cfg in cfgs:
+        if time.time() - T0 > deadline:
+            break
+        te.extend_tiles = tiles(*cfg, long)
+        try:
+            r = batch.plan(tri); out = r(batch.q, batch.k_cache, batch.v_cache); torch.cuda.synchronize(); batch.check(out)
+            res[f"{tag}{cfg}"] = [ms(lambda: r(batch.q, batch.k_cache, batch.v_cache)), r.splits]
+        except Exception as e:
+            res[f"{tag}{cfg}"] = repr(e)[:200]
+        print(f"{tag}{cfg}", res[f"{tag}{cfg}"], flush=True)
+
+
+sweep("mtp", mtp, mtp_cfgs, False, 100)
+sweep("long", chunk, long_cfgs, True, 230)
 te.extend_tiles = orig
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(res))
