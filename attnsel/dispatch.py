@@ -196,19 +196,19 @@ class DispatchTable:
         context at least timing.RAGGED_SKEW times the mean."""
         return key[0] >= 2 and longest >= timing.RAGGED_SKEW * max(key[-1], 1)
 
-    def _log_times(self, key: tuple[int, ...]) -> dict[str, float]:
-        """Each candidate's log time (us) at a shape: interpolated multilinearly in log space where every corner of
-        the timed box around it was timed, else (or with interpolation off) the nearest bucket's. Usable times only
-        (a time of 0 or None in a loaded table takes no part, as in the interpolation)."""
+    def _times(self, key: tuple[int, ...], sides: tuple) -> dict[str, float]:
+        """Each candidate's time (us) at a shape (``sides``: its ``_sides``): interpolated multilinearly in log space
+        where every corner of the timed box around it was timed, else (or with interpolation off) the nearest
+        bucket's. Usable times only (a time of 0 or None in a loaded table takes no part, as in the interpolation)."""
         if self.interpolate:
             corners = [(tuple(v for v, _ in combo), math.prod(w for _, w in combo))
-                       for combo in itertools.product(*self._sides(key))]
+                       for combo in itertools.product(*sides)]
             corners = [(c, w) for c, w in corners if w > 0]
             if all(c in self._usable for c, _ in corners):
                 names = set.intersection(*(set(self._usable[c]) for c, _ in corners))
                 if names:
-                    return {n: sum(w * math.log(self._usable[c][n]) for c, w in corners) for n in names}
-        return {n: math.log(t) for n, t in self._usable.get(self.bucket_for(key).key, {}).items()}
+                    return {n: math.exp(sum(w * math.log(self._usable[c][n]) for c, w in corners)) for n in names}
+        return dict(self._usable.get(self.bucket_for(key).key, {}))
 
     def _skewed_extend(self, key: tuple[int, ...], longest: int) -> str | None:
         """A skewed extend batch: a kernel that does not split a row's keys waits for its longest row, which the
@@ -216,11 +216,12 @@ class DispatchTable:
         for one request of the longest context (the mean queries): a splitting kernel spreads the long row over the
         GPU (a small term), one that does not runs it in one program per head (a large term; the larger of the two
         alone missed the waves a long row waits behind, see the results file). The least estimate wins."""
-        memo = (self._sides(key), self._sides((1, key[1], longest)))
+        lone = (1, key[1], longest)
+        memo = (self._sides(key), self._sides(lone))
         hit = self._picks.get(memo, _MISSING)
         if hit is _MISSING:
-            even, alone = self._log_times(key), self._log_times((1, key[1], longest))
-            cost = {n: math.log(math.exp(even[n]) + math.exp(alone[n])) for n in set(even) & set(alone)}
+            even, alone = self._times(key, memo[0]), self._times(lone, memo[1])
+            cost = {n: even[n] + alone[n] for n in set(even) & set(alone)}
             hit = min(cost, key=lambda n: (cost[n], self._order.index(n))) if cost else None
             if len(self._picks) >= 4096:  # bounded memo
                 self._picks.clear()

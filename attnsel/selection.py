@@ -265,10 +265,10 @@ class Selection:
         requests x ``max_seq_len``, else the page table's reach). ``max_seq_len`` bounds every row's context (default:
         what the page table can hold). ``longest``: the longest row's exact context (a host int), which decides for
         a skewed batch (a backend that does not split a row's keys waits for its longest row; see
-        DispatchTable.backend_for); unlike ``max_seq_len`` never a loose bound. The run function checks q (its rows against ``total_q`` when given) and the
-        caches against the spec; ``checked=False``: the backend's run itself (under ATTNSEL_CHECK_METADATA=1 both
-        also refuse caches with fewer pages than the rows read). Keep the run function alive as long as any CUDA
-        graph that captured it may be replayed."""
+        DispatchTable.backend_for); unlike ``max_seq_len`` never a loose bound. The run function checks q (its rows
+        against ``total_q`` when given) and the caches against the spec; ``checked=False``: the backend's run itself
+        (under ATTNSEL_CHECK_METADATA=1 both also refuse caches with fewer pages than the rows read). Keep the run
+        function alive as long as any CUDA graph that captured it may be replayed."""
         check_extend_metadata(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len)
         for arg, value, what in (("total_q", total_q, "q's rows: the batch's query tokens, padding included"),
                                  ("context_tokens", context_tokens, "the requests' contexts summed"),
@@ -301,6 +301,11 @@ class Selection:
         return {**{p: c.to_json() for p, c in self.phases.items()}, "cache": self.cache, "policy": self.policy,
                 "mode": self.mode, "device": self.device, "spec": self.spec.to_dict(), "stats": self.stats,
                 "canary": self.canary.report() if self.canary is not None else None}
+
+    def backends_line(self) -> str:
+        """The backend per phase in one line ("prefill: fa3, decode: triton, extend: none"), as the integrations
+        log their selections."""
+        return ", ".join(f"{phase}: {choice.backend or 'none'}" for phase, choice in self.phases.items())
 
     def summary(self) -> str:
         parts = []

@@ -72,7 +72,7 @@ def layer_ranges(layers: list[int]) -> str:
 
 def describe(sel: Selection) -> list[str]:
     """LightLLM-style start-up lines: the choice per phase, then why (every candidate with its status)."""
-    lines = [", ".join(f"{phase}: {choice.backend or 'none'}" for phase, choice in sel.phases.items()),
+    lines = [sel.backends_line(),
              f"  for {sel.spec.describe()} on {sel.device.get('gpu') or 'cpu'} (policy {sel.policy}, mode "
              f"{sel.mode}, cache {sel.cache})"]
     for phase, choice in sel.phases.items():

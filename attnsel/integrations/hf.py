@@ -110,8 +110,7 @@ class HFAttention:
             announce(spec, device, opts.get("cache_dir"))
             sel = select(spec, opts.pop("prefill"), opts.pop("decode"), extend=opts.pop("extend"), device=str(device),
                          **opts)
-            log.info("attnsel for %s on %s: %s", spec.describe(), device,
-                     ", ".join(f"{phase}: {choice.backend or 'none'}" for phase, choice in sel.phases.items()))
+            log.info("attnsel for %s on %s: %s", spec.describe(), device, sel.backends_line())
             self.selections[key] = sel
         return self.selections[key]
 
