@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from attnsel import Selection, flash_api  # noqa: E402
 from attnsel.integrations import hf, hf_extend_hook, hf_kernels  # noqa: E402
-from tests.fixtures.tiny_llama import save_tiny_llama  # noqa: E402
+from tests.fixtures.tiny_llama import greedy_deficits, save_tiny_llama  # noqa: E402
 
 MINOR = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -89,15 +89,7 @@ def assert_near_greedy(path, tokens):
     """Every generated token is the float32 model's greedy choice within bf16's error: its float32 logit is at most
     4 x (the largest |bf16 SDPA logit - float32 logit| on these sequences) + 1e-3 below the best one."""
     ref, low = load(path, "eager", torch.float32), load(path, "sdpa")
-    deficits, error = [], 0.0
-    with torch.no_grad():
-        for prompt, gen in zip(PROMPTS, tokens):
-            ids = torch.tensor([prompt + gen], device="cuda")
-            l32 = ref(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-            l16 = low(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-            error = max(error, (l16 - l32).abs().max().item())
-            chosen = l32.gather(1, torch.tensor(gen, device="cuda")[:, None])[:, 0]
-            deficits.append((l32.max(1).values - chosen).tolist())
+    deficits, error = greedy_deficits(ref, low, PROMPTS, tokens)
     budget = 4 * error + 1e-3
     worst = max(max(d) for d in deficits)
     print(f"float32 deficit of the chosen tokens: worst {worst:.4f}, budget {budget:.4f}; "
