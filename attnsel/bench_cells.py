@@ -88,18 +88,20 @@ class HeldoutCell:
 
     @property
     def key(self) -> tuple[int, ...]:
-        """What bench.compare dispatches with (Selection.prefill_backend_for / decode_backend_for): a ragged decode
-        batch by its mean and its longest row, as an engine plans it."""
+        """What bench.compare dispatches with (Selection.prefill_backend_for / decode_backend_for /
+        extend_backend_for): a ragged decode batch and an extend batch by their means and longest row, as an engine
+        plans them."""
         if self.phase == "prefill":
             return grid.prefill_key(list(self.lens))
-        if self.phase == "extend":  # its means, and its longest context (as plan_extend's max_seq_len)
+        if self.phase == "extend":  # its means, and its longest context (plan_extend's longest=)
             return (*extend_key(self.batch, sum(self.q_lens), sum(self.lens)), max(self.lens))
         if self.ragged:
             return (*grid.ragged_key(list(self.lens)), max(self.lens))
         return (self.batch, self.lens[0])
 
     def point(self) -> tuple[int, ...]:
-        """The cell's place on the table's axes: prefill (sequences, total, longest), decode (batch, mean)."""
+        """The cell's place on the table's axes: prefill (sequences, total, longest), decode (batch, mean), extend
+        (requests, mean queries, mean context)."""
         return self.key if self.phase == "prefill" else self.key[:-1] if self.phase == "extend" else self.key[:2]
 
     def label(self, index: int) -> str:

@@ -4,9 +4,9 @@ A bucket is (requests, query tokens per request, context per request, the querie
 over a long prefix is set by its context, not by its new tokens alone, so the context is an axis. The grid covers
 multi-token decode and speculative verify (2-4 queries per request, up to 256 requests), prompt-cache hits (16-256
 new tokens over a cached prefix) and chunked prefill (1024 new tokens over prefixes up to 16k), in factor-2 steps of
-requests and context where the budget allows (level 2). Under CUDA graphs an
-engine captures per batch size: a bucket is a batch size timed at 2 and 4 queries over a short and a long context
-(dispatch scores each batch size by the geometric mean, as decode's graph table does).
+requests and context where the budget allows (level 2). Under CUDA graphs an engine captures per batch size: a
+bucket is a batch size timed at 2 and 4 queries over a short and a long context (dispatch scores each batch size by
+the geometric mean, as decode's graph table does).
 """
 from __future__ import annotations
 
