@@ -7,7 +7,9 @@ import bisect
 import dataclasses
 import itertools
 import math
+import numbers
 
+from .errors import InvalidArgument
 from .validate import timing
 from .validate.extend_grid import EXTEND_AXES
 
@@ -158,8 +160,13 @@ class DispatchTable:
         for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean (``key[1]``),
         near a timed ragged bucket (``covers``), the ragged buckets decide (a ragged batch's speed is not its mean's
         uniform batch's: module timing); elsewhere the uniform ones (no extrapolation of the ragged timings over the
-        uniform ones)."""
+        uniform ones). InvalidArgument for a ``longest`` that is not None or a host int >= 0 (a tensor would be read:
+        a device sync)."""
         self._check_key(key)
+        if longest is not None and (isinstance(longest, bool) or not isinstance(longest, numbers.Integral)
+                                    or longest < 0):
+            raise InvalidArgument("longest: expected None or a non-negative Python int (the batch's longest context, "
+                                  f"exact), got {longest!r}")
         if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
             return self.ragged.backend_for(key)
         if self.skew and self.axes == EXTEND_AXES and longest is not None and self.skewed(key, longest):

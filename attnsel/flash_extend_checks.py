@@ -37,9 +37,10 @@ class ExtendCall(NamedTuple):
 
 
 def host_bound(func: str, name: str, x, what: str) -> int:
-    """A host int >= 0 (numpy ints too); InvalidArgument naming it otherwise (a tensor would be a device read)."""
+    """A host int >= 0 (numpy ints too); InvalidArgument naming it otherwise (a tensor would be a device read:
+    operator.index takes a 0-dim integer tensor)."""
     try:
-        if isinstance(x, bool):
+        if isinstance(x, (bool, torch.Tensor)):
             raise TypeError
         value = operator.index(x)
     except TypeError:

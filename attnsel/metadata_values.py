@@ -113,11 +113,13 @@ def check_decode_run(pages_needed: int, k_cache: torch.Tensor) -> None:
 
 
 def check_extend(cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int,
-                 max_seq_len: int, page_size: int, total_q: int | None, window: int | None = None) -> int | None:
+                 max_seq_len: int, page_size: int, total_q: int | None, window: int | None = None,
+                 longest: int | None = None) -> int | None:
     """The values of an extend plan's metadata: the query offsets (each row at most ``max_seqlen_q`` queries, no
-    more than its context unless the context is 0, a padding row), the contexts and page ids as decode's (with a
-    sliding ``window``, from the page its first query's window starts in). Returns the pages the caches must hold,
-    as check_decode; None when nothing was read (meta tensors, capture). ValueError naming the first wrong value."""
+    more than its context unless the context is 0, a padding row), the contexts, page ids and ``longest`` as
+    decode's (with a sliding ``window``, from the page its first query's window starts in). Returns the pages the
+    caches must hold, as check_decode; None when nothing was read (meta tensors, capture). ValueError naming the
+    first wrong value."""
     if _unreadable(cu_seqlens_q):
         return None
     tq = _offsets("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
@@ -131,5 +133,5 @@ def check_extend(cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens:
             raise ValueError(f"row {b} has {lq} queries (cu_seqlens_q) but seq_lens[{b}] is {n}; allowed: seq_lens "
                              "counts the whole context, the row's new tokens included (>= its queries), or 0 for a "
                              "padding row")
-    return check_decode(page_table, seq_lens, max_seq_len, page_size, window,
+    return check_decode(page_table, seq_lens, max_seq_len, page_size, window, longest,
                         q_lens=[cu[b + 1] - cu[b] for b in range(len(lens))])

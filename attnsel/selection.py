@@ -265,10 +265,12 @@ class Selection:
         requests x ``max_seq_len``, else the page table's reach). ``max_seq_len`` bounds every row's context (default:
         what the page table can hold). ``longest``: the longest row's exact context (a host int), which decides for
         a skewed batch (a backend that does not split a row's keys waits for its longest row; see
-        DispatchTable.backend_for); unlike ``max_seq_len`` never a loose bound. The run function checks q (its rows
-        against ``total_q`` when given) and the caches against the spec; ``checked=False``: the backend's run itself
-        (under ATTNSEL_CHECK_METADATA=1 both also refuse caches with fewer pages than the rows read). Keep the run
-        function alive as long as any CUDA graph that captured it may be replayed."""
+        DispatchTable.backend_for); unlike ``max_seq_len`` never a loose bound (InvalidArgument past that bound or
+        below the mean context; under ATTNSEL_CHECK_METADATA=1, ValueError unless it is max(seq_lens)). The run
+        function checks q (its rows against ``total_q`` when given) and the caches against the spec;
+        ``checked=False``: the backend's run itself (under ATTNSEL_CHECK_METADATA=1 both also refuse caches with
+        fewer pages than the rows read). Keep the run function alive as long as any CUDA graph that captured it may
+        be replayed."""
         check_extend_metadata(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len)
         for arg, value, what in (("total_q", total_q, "q's rows: the batch's query tokens, padding included"),
                                  ("context_tokens", context_tokens, "the requests' contexts summed"),
@@ -277,8 +279,11 @@ class Selection:
                 raise InvalidArgument(f"{arg}: expected None or a non-negative Python int ({what}), got {value!r}")
         requests = seq_lens.shape[0]
         bound = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
+        if longest is not None:  # host ints that contradict each other: one of them is wrong
+            _check_longest(longest, bound, max_seq_len, page_table.shape[1], self.spec.page_size, requests,
+                           context_tokens)
         pages_needed = (metadata_values.check_extend(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound,
-                                                     self.spec.page_size, total_q, self.spec.sliding_window)
+                                                     self.spec.page_size, total_q, self.spec.sliding_window, longest)
                         if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
         tokens = total_q if total_q is not None else requests * max_seqlen_q
         context = context_tokens if context_tokens is not None else requests * bound
@@ -347,6 +352,20 @@ def priority_list(phase: Phase, given: list[str] | tuple[str, ...] | None) -> li
     default = list(DEFAULT_PRIORITY[phase])
     plugins = [n for n in backends.names() if n not in backends.BUILTINS]
     return default[:-1] + plugins + default[-1:]
+
+
+def _check_longest(longest: int, bound: int, max_seq_len: int | None, pages: int, page_size: int, requests: int,
+                   context_tokens: int | None) -> None:
+    """plan_extend's ``longest`` against its other host ints: within the bound on every row, at least the mean."""
+    if longest > bound:
+        what = (f"max_seq_len={max_seq_len}" if max_seq_len is not None
+                else f"the page table's reach {bound} ({pages} pages of {page_size})")
+        raise InvalidArgument(f"longest={longest} is more than {what}, which bounds every row's context; allowed: "
+                              f"longest <= {'max_seq_len' if max_seq_len is not None else bound}")
+    if context_tokens is not None and requests and longest * requests < context_tokens:
+        raise InvalidArgument(f"longest={longest} is less than the mean context {-(-context_tokens // requests)} "
+                              f"(context_tokens={context_tokens} over {requests} requests); allowed: longest >= "
+                              "context_tokens / requests (the longest row holds at least the mean)")
 
 
 def _check_choice(label: str, value: str, allowed) -> None:
