@@ -65,7 +65,11 @@ class DispatchTable:
 
     Axes: prefill ("num_seqs", "total_tokens", "longest"); decode ("batch", "context") in eager mode, ("batch",) in
     graph mode (an engine captures one graph per batch size and replays it at every context length, so the backend
-    there is the one best over the timed context range: least geometric-mean time). ``cell`` gives a shape's
+    there is the one best over the timed context range: least geometric-mean time). Lookups work on a shape's
+    ``point``: its key, except prefill's, which is (total_tokens / longest, longest): the timed uniform batches
+    (n x L) form a full grid there, so that interpolation has its corners, and a ragged batch counts as the number
+    of its longest prompt that it is worth (held out from the grid, this predicted the winner better than the
+    three keys or the number of sequences; see the results file). ``cell`` gives a shape's
     per-axis bucket index on a log scale (boundaries at the geometric midpoints of neighbouring timed values, shapes
     beyond the ends clamped); ``bucket_for`` gives the timed bucket nearest to the shape in log space (clamped to
     the timed range). ``default`` is the phase's headline backend: the best single backend over all buckets.
@@ -104,19 +108,20 @@ class DispatchTable:
                              f"eager decode table; got a {self.ragged.mode} {self.ragged.phase} sub-table keyed by "
                              f"{self.ragged.axes}{' with its own sub-table' if self.ragged.ragged else ''} under a "
                              f"{self.mode} {self.phase} table keyed by {self.axes}")
-        values = [sorted({b.key[i] for b in self.buckets}) for i in range(len(self.axes))]
+        points = {b.key: self.point(b.key) for b in self.buckets}
+        values = [sorted({p[i] for p in points.values()}) for i in range(len(next(iter(points.values()))))]
         bounds = [[math.sqrt(a * b) for a, b in zip(v, v[1:])] for v in values]
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_bounds", bounds)
         object.__setattr__(self, "_cells", {})
-        object.__setattr__(self, "_by_key", {b.key: b for b in self.buckets})
+        object.__setattr__(self, "_by_point", {points[b.key]: b for b in self.buckets})
         usable, slowdowns = {}, {}
         for b in self.buckets:  # a bucket without usable times (hand-made tables) just never takes part
             times = {n: t for n, t in b.times_us.items() if isinstance(t, (int, float)) and t > 0}
             if times:
                 best = min(times.values())
-                usable[b.key] = times
-                slowdowns[b.key] = {n: math.log(t / best) for n, t in times.items()}
+                usable[points[b.key]] = times
+                slowdowns[points[b.key]] = {n: math.log(t / best) for n, t in times.items()}
         object.__setattr__(self, "_usable", usable)
         object.__setattr__(self, "_slowdowns", slowdowns)
         object.__setattr__(self, "_picks", {})
@@ -130,10 +135,17 @@ class DispatchTable:
             raise ValueError(f"a {self.phase} dispatch table ({self.mode}) is keyed by ({', '.join(self.axes)}), got "
                              f"{tuple(key)!r}")
 
+    def point(self, key: tuple[int, ...]) -> tuple[float, ...]:
+        """Where a shape sits in the lookup space: its key; for prefill (total_tokens / longest, longest)."""
+        if self.phase == "prefill" and len(key) == 3:
+            longest = max(key[2], 1)
+            return (max(key[1], 1) / longest, longest)
+        return tuple(key)
+
     def cell(self, key: tuple[int, ...]) -> tuple[int, ...]:
-        """The per-axis bucket index of a shape (log-spaced boundaries, clamped at both ends)."""
+        """The per-axis bucket index of a shape's point (log-spaced boundaries, clamped at both ends)."""
         self._check_key(key)
-        return tuple(bisect.bisect_right(b, x) for b, x in zip(self._bounds, key))
+        return tuple(bisect.bisect_right(b, x) for b, x in zip(self._bounds, self.point(key)))
 
     def bucket_for(self, key: tuple[int, ...]) -> Bucket:
         """The timed bucket that serves a shape given on the table's axes: the one nearest to the shape in log
@@ -143,10 +155,10 @@ class DispatchTable:
         cell whose centre was not timed can be equally near to timed buckets on both sides, while the shape is
         nearer to one of them."""
         self._check_key(key)
-        point = tuple(round(16 * _log2(min(max(x, v[0]), v[-1]))) / 16 for x, v in zip(key, self._values))
+        point = tuple(round(16 * _log2(min(max(x, v[0]), v[-1]))) / 16 for x, v in zip(self.point(key), self._values))
         hit = self._cells.get(point)
         if hit is None:
-            hit = min(self.buckets, key=lambda b: sum((_log2(x) - p) ** 2 for x, p in zip(b.key, point)))
+            hit = min(self.buckets, key=lambda b: sum((_log2(x) - p) ** 2 for x, p in zip(self.point(b.key), point)))
             if len(self._cells) >= 4096:  # bounded memo
                 self._cells.clear()
             self._cells[point] = hit
@@ -186,7 +198,7 @@ class DispatchTable:
         """Per axis ((value, weight), ...): one entry on a timed value or beyond the ends, else the timed values
         below and above with their weights (the position rounded to 1/32 of their log distance)."""
         sides = []
-        for values, x in zip(self._values, key):
+        for values, x in zip(self._values, self.point(key)):
             x = max(x, 1)
             i = bisect.bisect_left(values, x)
             if i < len(values) and values[i] == x or i == 0 or i == len(values):
@@ -215,7 +227,7 @@ class DispatchTable:
                 names = set.intersection(*(set(self._usable[c]) for c, _ in corners))
                 if names:
                     return {n: math.exp(sum(w * math.log(self._usable[c][n]) for c, w in corners)) for n in names}
-        return dict(self._usable.get(self.bucket_for(key).key, {}))
+        return dict(self._usable.get(self.point(self.bucket_for(key).key), {}))
 
     def _skewed_extend(self, key: tuple[int, ...], longest: int) -> str | None:
         """A skewed extend batch: a kernel that does not split a row's keys waits for its longest row, which the
@@ -270,7 +282,7 @@ class DispatchTable:
                 return None
             corners.append((corner, weight))
         if len(corners) == 1:  # on a timed shape (or beyond the ends): that bucket's choice
-            return self._by_key[corners[0][0]].backend
+            return self._by_point[corners[0][0]].backend
         names = set.intersection(*(set(self._slowdowns[c]) for c, _ in corners))
         if not names:
             return None

@@ -140,19 +140,23 @@ def test_interpolation_needs_every_corner_else_the_nearest_bucket():
 
 
 def test_lookup_does_not_depend_on_the_order_of_earlier_calls():
-    """Shapes near a nearest-bucket boundary (here prefill, where corners are sparse and the nearest bucket serves)
-    get the same answers whichever came first (a review found an earlier memo handing the first one's answer to the
-    second): the answer is a function of the shape (rounded to 1/16 octave per axis), not of the calls before."""
+    """Shapes near a nearest-bucket boundary get the same answers whichever came first (a review found an earlier memo
+    handing the first one's answer to the second): the answer is a function of the shape (rounded to 1/16 octave per
+    axis for the nearest bucket, 1/32 of a step for interpolation), not of the calls before. Both lookups: the
+    nearest bucket (interpolation off) and the interpolated one."""
     cells = {(2, 2 * n, n): ({"a": 1.0, "b": 2.0} if n <= 576 else {"a": 2.0, "b": 1.0}) for n in (288, 576, 1152)}
     keys = [(2, 1520, 760), (2, 1620, 810), (2, 1640, 820), (2, 1760, 880)]  # around the midpoint of 576 and 1152
-    answers = set()
-    for order in (keys, keys[::-1], [keys[1], keys[3], keys[0], keys[2]]):
-        table = build_table(measured("prefill", "eager", cells), ["a", "b"])
-        got = {k: table.backend_for(k) for k in order}
-        assert got == {k: table.bucket_for(k).backend for k in keys}
-        answers.add(tuple(sorted(got.items())))
-    assert len(answers) == 1
-    assert got[keys[0]] == "a" and got[keys[-1]] == "b"  # well inside either side
+    for rules in ((), ("interpolation",)):
+        def fresh():
+            return build_table(measured("prefill", "eager", cells), ["a", "b"]).without(*rules)
+
+        alone = {k: fresh().backend_for(k) for k in keys}  # each shape asked first, of its own table
+        for order in (keys, keys[::-1], [keys[1], keys[3], keys[0], keys[2]]):
+            table = fresh()
+            assert {k: table.backend_for(k) for k in order} == alone
+        assert alone[keys[0]] == "a" and alone[keys[-1]] == "b"  # well inside either side
+        if rules:
+            assert alone == {k: fresh().bucket_for(k).backend for k in keys}
 
 
 def test_interpolation_ignores_corners_of_zero_weight_and_bad_times():
@@ -200,3 +204,28 @@ def test_a_wave_step_between_timed_batches_is_served_by_the_faster_kernel():
     for b in (92, 96, 99):
         assert waves.backend_for((b, 6000)) == "w", b
 
+
+
+def test_prefill_interpolates_between_timed_uniform_batches():
+    """Prefill looks up (total / longest, longest): the timed n x L batches form a full grid there, so a shape
+    between them interpolates each candidate's slowdown from the four corners (in (seqs, tokens, longest) their
+    corners are never all timed and the nearest bucket served). 2 x 190 is nearer to L 100, where a wins by 5%,
+    than to L 400, where b wins by 2x: interpolated, b."""
+    cells = {(n, n * length, length): ({"a": 1.0, "b": 1.05} if length == 100 else {"a": 2.0, "b": 1.0})
+             for n in (1, 4) for length in (100, 400)}
+    table = build_table(measured("prefill", "eager", cells), ["a", "b"])
+    assert table.bucket_for((2, 380, 190)).key[2] == 100
+    assert table.backend_for((2, 380, 190)) == "b"
+    assert table.without("interpolation").backend_for((2, 380, 190)) == "a"
+    assert table.backend_for((4, 400, 100)) == "a" and table.backend_for((1, 400, 400)) == "b"  # timed: their own
+
+
+def test_a_ragged_prefill_batch_counts_as_the_longest_prompts_it_is_worth():
+    """One 2500-token prompt among twenty 50-token ones (3500 tokens: 1.4 times its longest) is served like one
+    long prompt, not like 21 sequences of a short-prompt bucket."""
+    cells = {(1, 2048, 2048): {"a": 300.0, "b": 400.0}, (1, 4096, 4096): {"a": 900.0, "b": 1200.0},
+             (16, 1024, 64): {"a": 50.0, "b": 20.0}, (16, 4096, 256): {"a": 80.0, "b": 40.0}}
+    table = build_table(measured("prefill", "eager", cells), ["a", "b"])
+    assert table.point((21, 3500, 2500)) == (3500 / 2500, 2500)
+    assert table.backend_for((21, 3500, 2500)) == "a"
+    assert table.backend_for((16, 16 * 100, 100)) == "b"

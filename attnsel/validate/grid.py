@@ -22,7 +22,6 @@ DEFAULT_L2_BYTES = 50 << 20  # an H200's L2; used when the device does not repor
 # finest level (2).
 PREFILL_SEQS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_LENS = (72, 102, 144, 204, 288, 407, 576, 815, 1152, 1629, 2304, 3258, 4608, 6516, 9216, 13033, 18432)
-PREFILL_RAGGED = ([2048] + [64] * 15, [4096] + [256] * 7)  # one long prompt among short ones (chunked prefill)
 MAX_PREFILL_TOKENS = 32768
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
 # Eager decode contexts end half-way into a 64-token tile (a power of two plus 32), as a context drawn at random does
@@ -118,7 +117,6 @@ def prefill_grid(spec: AttentionSpec, device: torch.device) -> list[tuple[int, l
         for length in PREFILL_LENS:
             if n * length <= MAX_PREFILL_TOKENS:
                 grid.append((max(_level(n, PREFILL_SEQS), _level(length, PREFILL_LENS)), [length] * n))
-    grid += [(1, list(lens)) for lens in PREFILL_RAGGED]
     return _coarse_first(grid, group=lambda item: len(item[1]))
 
 
