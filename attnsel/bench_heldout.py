@@ -64,7 +64,7 @@ def evaluate_spec(spec: AttentionSpec, names: list[str], modes: list[str], seed:
         spec, names, modes, False, device, probe, log.info, repeats,
         grid=lambda phase, mode: [(label, c.key, c.shape, _work(spec, c)) for label, c in drawn[(phase, mode)]],
         phases=phases)
-    choices = bench.select_modes(spec, modes, device, selections)
+    choices = bench.select_modes(spec, modes, device, selections, phases)
     by_label = {(phase, mode, label): c for (phase, mode), items in drawn.items() for label, c in items}
     graph_batches = bench_cells.timed_batches(spec, "graph", sms)
     rows = []

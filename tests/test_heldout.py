@@ -307,7 +307,8 @@ def test_heldout_plumbing_end_to_end_on_cpu(monkeypatch, tmp_path):
                      "triton": _fake_us([k[1]] if phase == "prefill" else k)["b"]} for k in keys}
         return build_table(measured(phase, mode, cells), ["triton", "torch"])
 
-    def fake_select_modes(spec, modes, device, records):
+    def fake_select_modes(spec, modes, device, records, phases):
+        assert phases == ("prefill", "decode")
         records += [{"spec": spec.to_dict(), "mode": m} for m in modes]
         return {m: Selection(spec, {p: PhaseChoice("torch", "auto", [], table(p, m)) for p in ("prefill", "decode")},
                              "measure", m, "off", {}, {}) for m in modes}
@@ -381,3 +382,21 @@ def test_heldout_run_on_the_gpu(capsys, monkeypatch, tmp_path):
     strategies = {(s["phase"], s["mode"], s["strategy"]) for s in data["summary"]}
     assert ("decode", "graph", "batch_bound") in strategies and ("prefill", "eager", "selected") in strategies
     assert "within 3% [95% CI]" in out and (tmp_path / "out" / "heldout.md").exists()
+
+
+def test_a_selection_for_prefill_and_decode_cells_does_not_time_extend(monkeypatch):
+    """The held-out bench of prefill and decode selects with extend served by torch (validated, not timed): the
+    other phases' tables do not depend on it and the selection takes half the time. With extend cells it is
+    automatic like the others."""
+    asked = []
+
+    def fake_select(spec, **kwargs):
+        asked.append(kwargs.get("extend", "auto"))
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(bench, "select", fake_select)
+    spec = AttentionSpec(32, 8, 128)
+    assert bench.select_modes(spec, ["eager"], "cpu", [], ("prefill", "decode")) == {}
+    assert bench.select_modes(spec, ["eager"], "cpu", [], ("prefill", "decode", "extend")) == {}
+    assert bench.select_modes(spec, ["eager"], "cpu", []) == {}
+    assert asked == ["torch", "auto", "auto"]
