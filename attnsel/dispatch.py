@@ -114,11 +114,14 @@ class DispatchTable:
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_bounds", bounds)
         object.__setattr__(self, "_cells", {})
-        object.__setattr__(self, "_by_point", {points[b.key]: b for b in self.buckets})
+        by_point = {}  # buckets on one point (hand-made prefill tables) serve as the first, as the nearest's ties
+        for b in self.buckets:
+            by_point.setdefault(points[b.key], b)
+        object.__setattr__(self, "_by_point", by_point)
         usable, slowdowns = {}, {}
         for b in self.buckets:  # a bucket without usable times (hand-made tables) just never takes part
             times = {n: t for n, t in b.times_us.items() if isinstance(t, (int, float)) and t > 0}
-            if times:
+            if times and by_point[points[b.key]] is b:
                 best = min(times.values())
                 usable[points[b.key]] = times
                 slowdowns[points[b.key]] = {n: math.log(t / best) for n, t in times.items()}
@@ -136,10 +139,13 @@ class DispatchTable:
                              f"{tuple(key)!r}")
 
     def point(self, key: tuple[int, ...]) -> tuple[float, ...]:
-        """Where a shape sits in the lookup space: its key; for prefill (total_tokens / longest, longest)."""
+        """Where a shape sits in the lookup space: its key; for prefill (total_tokens / longest, longest), as a batch
+        can hold it: the longest at most the tokens (max_seqlen_q may be an upper bound), the ratio at most the
+        sequences (total_q may count padding rows)."""
         if self.phase == "prefill" and len(key) == 3:
-            longest = max(key[2], 1)
-            return (max(key[1], 1) / longest, longest)
+            tokens = max(key[1], 1)
+            longest = min(max(key[2], 1), tokens)
+            return (min(tokens / longest, max(key[0], 1)), longest)
         return tuple(key)
 
     def cell(self, key: tuple[int, ...]) -> tuple[int, ...]:

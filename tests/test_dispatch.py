@@ -229,3 +229,30 @@ def test_a_ragged_prefill_batch_counts_as_the_longest_prompts_it_is_worth():
     assert table.point((21, 3500, 2500)) == (3500 / 2500, 2500)
     assert table.backend_for((21, 3500, 2500)) == "a"
     assert table.backend_for((16, 16 * 100, 100)) == "b"
+
+
+def test_a_prefill_key_past_what_a_batch_can_hold_is_looked_up_at_its_real_shape():
+    """max_seqlen_q may be an upper bound (flash_attn_varlen_func) and total_q may count padding rows: a prefill
+    batch's longest prompt is at most its tokens, and it is worth at most its number of sequences of its longest
+    prompt. One 300-token prompt planned with max_seqlen_q 6400 is served as 1 x 300 (not as one 6400-token prompt),
+    one 100-token prompt in 400 rows as 1 x 100 (not as 4 x 100)."""
+    cells = {(n, n * length, length): ({"a": 1.0, "b": 2.0} if length <= 400 and n == 1 else {"a": 2.0, "b": 1.0})
+             for n in (1, 4) for length in (100, 400, 1600, 6400)}
+    table = build_table(measured("prefill", "eager", cells), ["a", "b"])
+    assert table.point((1, 300, 6400)) == (1.0, 300)
+    assert table.point((1, 400, 100)) == (1.0, 100)
+    assert table.point((0, 0, 0)) == (1.0, 1)  # nothing: the smallest shape, no division by zero
+    for key, real in (((1, 300, 6400), (1, 300, 300)), ((1, 400, 100), (1, 100, 100))):
+        assert table.backend_for(key) == table.backend_for(real) == "a", key
+        assert table.bucket_for(key) == table.bucket_for(real), key
+
+
+def test_prefill_buckets_on_one_point_serve_as_the_first_of_them():
+    """Two buckets of a hand-made prefill table on one lookup point (2 and 4 sequences of 200 tokens, longest 100):
+    the lookup cannot tell them apart, so every lookup serves the first (as the nearest bucket's ties), never the
+    interpolation one and the nearest bucket the other."""
+    cells = {(2, 200, 100): {"a": 1.0, "b": 2.0}, (4, 200, 100): {"a": 2.0, "b": 1.0},
+             (1, 800, 800): {"a": 1.0, "b": 3.0}}
+    table = build_table(measured("prefill", "eager", cells), ["a", "b"])
+    assert table.bucket_for((2, 200, 100)).key == (2, 200, 100)
+    assert table.backend_for((2, 200, 100)) == table.bucket_for((2, 200, 100)).backend == "a"
