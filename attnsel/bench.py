@@ -325,9 +325,11 @@ def select_modes(spec: AttentionSpec, modes: list[str], device: torch.device, re
     selection's record (choices, cache, wall time, stats, dispatch tables) to ``records``. Without "extend" in
     ``phases`` the selection serves extend with torch (validated, not timed): prefill's and decode's tables are the
     same (each phase's timing has its own share of the budget, and theirs end before it runs out; see the results
-    file), and the selection takes about half the time."""
+    file), and the selection takes about half the time. Where torch cannot serve extend (no backend can, e.g. a
+    non-causal spec), extend stays automatic: named, it would fail the whole selection."""
     choices = {}
-    fixed = {} if "extend" in phases else {"extend": "torch"}
+    untimed = "extend" not in phases and backends.availability(backends.get("torch"), spec, "extend")[0] is None
+    fixed = {"extend": "torch"} if untimed else {}
     for mode in modes:
         t_sel = time.perf_counter()
         try:

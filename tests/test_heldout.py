@@ -15,7 +15,7 @@ from attnsel.selection import PhaseChoice, Selection, build_table
 from attnsel.spec import AttentionSpec
 from attnsel.validate import grid
 from tests.test_cli import run
-from tests.fixtures.dispatch import measured
+from tests.fixtures.dispatch import fake_worker, measured
 
 SPECS = [AttentionSpec(32, 8, 128), AttentionSpec(28, 4, 128), AttentionSpec(8, 1, 128)]
 CUDA = torch.device("cuda")  # the GPU grids; no device is touched
@@ -400,3 +400,14 @@ def test_a_selection_for_prefill_and_decode_cells_does_not_time_extend(monkeypat
     assert bench.select_modes(spec, ["eager"], "cpu", [], ("prefill", "decode", "extend")) == {}
     assert bench.select_modes(spec, ["eager"], "cpu", []) == {}
     assert asked == ["torch", "auto", "auto"]
+
+
+def test_a_spec_torch_cannot_extend_still_selects_for_prefill_and_decode(monkeypatch, caplog):
+    """A non-causal spec has no extend phase (no backend serves it, torch included): the held-out bench of prefill
+    and decode selects it as an automatic selection would (extend left out), not by naming torch for extend, which
+    fails the whole selection and leaves the spec without its selected rows."""
+    fake_worker(monkeypatch, {}, [])
+    spec = AttentionSpec(4, 2, 64, "fp16", causal=False)
+    got = bench.select_modes(spec, ["eager"], "cpu", [], ("prefill", "decode"))
+    assert "failed" not in caplog.text
+    assert list(got) == ["eager"] and got["eager"].prefill_backend_for(2, 128, 64) in ("torch", "triton")
