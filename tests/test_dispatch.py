@@ -58,7 +58,7 @@ def test_untimed_shapes_take_the_nearest_timed_bucket():
     # 2 octaves away in log space: the tie goes to the earlier timed bucket (grids are timed coarse first)
     assert table.bucket_for((16, 4096)).key == (4, 1024)
     assert table.bucket_for((20, 200)).key == (16, 256)
-    # prefill: a ragged batch that matches no representative goes to the nearest in (seqs, tokens, longest)
+    # prefill: a ragged batch that matches no representative goes to the nearest point (tokens / longest, longest)
     pre = {(1, 64, 64): {"a": 5.0, "b": 9.0}, (1, 4096, 4096): {"a": 900.0, "b": 800.0},
            (16, 1024, 64): {"a": 50.0, "b": 20.0}, (16, 3008, 2048): {"a": 300.0, "b": 500.0}}
     ptable = build_table(measured("prefill", "eager", pre), ["a", "b"])
