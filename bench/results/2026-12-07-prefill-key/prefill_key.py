@@ -40,7 +40,7 @@ def summary(ratios):
 
 
 out = {name: ([], []) for name in SPACES}
-for path in sorted(glob.glob("bench/results/2026-12-06-round20/*/bench-*.json")):
+for path in sorted(glob.glob(sys.argv[1] if len(sys.argv) > 1 else "bench/results/2026-12-06-round20/*/bench-*.json")):
     data = json.load(open(path))
     cells = {}
     for c in data["cells"]:
