@@ -367,7 +367,8 @@ def test_wave_batches_bracket_the_first_three_wave_edges():
     # 28/4: edges at 33, 66, 99 rows; 32 and 64 already have 1 and 2 rounds, 91 is more than 5% below 99
     assert bucket_grid.wave_batches(h(28, 4), 132) == [34, 67, 99, 100]
     assert bucket_grid.wave_batches(h(32, 8), 132) == [17, 34, 49, 50]  # edges 16.5, 33, 49.5
-    assert bucket_grid.wave_batches(h(8, 1), 132) == [133]  # 264 is past the grid's 256 rows
+    # 8/1: edges at 132, 264, 396 rows; 132 and 256 (within 5% below 264) are grid values
+    assert bucket_grid.wave_batches(h(8, 1), 132) == [133, 265, 396, 397]
     assert bucket_grid.wave_batches(h(32, 8), None) == [] and bucket_grid.wave_batches(h(32, 8), 0) == []
     for heads in ((32, 8), (28, 4), (8, 1), (32, 32), (16, 2), (64, 8)):
         for sms in (78, 108, 114, 132, 170):
@@ -405,3 +406,21 @@ def test_wave_batches_join_the_decode_grids_at_the_finest_level():
         levels = [lvl for lvl, _, _ in grid]
         assert levels == sorted(levels)
 
+
+
+def test_the_timed_grid_covers_what_a_server_sends():
+    """Past the grid's ends a shape is served by its edge bucket, which is not the same kernel regime (held out on an
+    H100: 40 prompts of 25 tokens 1.4-1.7x off the fastest from the 72-token edge; 300-500-row decode batches up to
+    1.15x from the 256-row edge). The grid reaches the held-out sampler's ranges: prompts from 16 tokens (the first
+    timed length at most 9/8 of it), decode batches to 512 rows (eager, graph capture sizes, and ragged batches
+    within the sub-table's factor 2)."""
+    from attnsel import bench_cells
+
+    assert bucket_grid.PREFILL_LENS[0] <= 9 / 8 * bench_cells.PREFILL_LEN_MIN
+    assert bucket_grid.DECODE_BATCHES[-1] >= bench_cells.DECODE_BATCH_MAX >= max(bench_cells.CAPTURE_SIZES)
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")  # the grids read no device
+    for mode in ("eager", "graph"):
+        assert max(b for _, b, _ in bucket_grid.decode_grid(spec, cuda, mode=mode)) >= bench_cells.DECODE_BATCH_MAX
+    ragged = {len(lens) for _, lens in bucket_grid.ragged_decode_grid(spec, cuda)}
+    assert any(b / 2 <= 400 <= 2 * b for b in ragged)

@@ -11,7 +11,7 @@ from ..spec import AttentionSpec
 from .inputs import cumulative
 
 ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
-MAX_SETS = 1024
+MAX_SETS = 4096  # enough for the smallest bucket (one 18-token prompt of 8/1 heads: 46 KB a set)
 DEFAULT_L2_BYTES = 50 << 20  # an H200's L2; used when the device does not report its L2 size
 
 # Timed representatives (bucket centres). Buckets are the cells between the geometric midpoints of neighbouring
@@ -20,10 +20,15 @@ DEFAULT_L2_BYTES = 50 << 20  # an H200's L2; used when the device does not repor
 # Prompt lengths and decode batch sizes go in steps of sqrt(2): the kernels' speed is not monotone between powers of
 # two (tiles, waves over the SMs, split heuristics; see the results file). The values between powers of two form the
 # finest level (2).
+# The ranges cover what a server sends: prompts from 16 tokens (the kernels' short-prompt paths differ: FlashInfer picks
+# its tile from the average prompt, a 40 x 25 batch ran 2.5x slower than 13 x 26) and decode batches to 512 rows
+# (CUDA-graph capture sizes go that far): beyond the grid's ends a shape is served by its edge bucket, which
+# held-out cells found up to 1.15-1.7x off the fastest (see the results file).
 PREFILL_SEQS = (1, 2, 4, 8, 16, 32, 64)
-PREFILL_LENS = (72, 102, 144, 204, 288, 407, 576, 815, 1152, 1629, 2304, 3258, 4608, 6516, 9216, 13033, 18432)
+PREFILL_LENS = (18, 25, 36, 51, 72, 102, 144, 204, 288, 407, 576, 815, 1152, 1629, 2304, 3258, 4608, 6516, 9216, 13033,
+                18432)
 MAX_PREFILL_TOKENS = 32768
-DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256)
+DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256, 362, 512)
 # Eager decode contexts end half-way into a 64-token tile (a power of two plus 32), as a context drawn at random does
 # on average: contexts of whole tiles flatter the kernels that work in whole tiles (Triton's 64-token blocks against
 # FlashInfer's 16-token pages; see the results file). Levels and the memory cap go by the powers of two
@@ -36,7 +41,7 @@ DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
 # of similar skew (longest row at least RAGGED_SKEW times the mean) near the timed ones (dispatch.DispatchTable.
 # covers): on such batches of 32 rows and more the uniform table's choice for their (batch, mean) can be far from the
 # fastest; up to 8 rows the two agree (see the results file).
-RAGGED_DECODE_BATCHES = (4, 8, 32, 128)
+RAGGED_DECODE_BATCHES = (4, 8, 32, 128, 512)
 RAGGED_DECODE_MEANS = (1024, 4096)
 RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
 # Wave edges (eager and graph decode): a kernel that runs one thread block per (row, KV head) and does not split
