@@ -78,7 +78,8 @@ class DispatchTable:
     was timed (per axis the values just below and above it, in log space), each candidate's slowdown (log of its time
     over the corner's fastest) is interpolated multilinearly in log space and the least wins (exact ties: the order
     the table was built with). A backend that wins one corner narrowly and loses badly at the next then does not
-    serve the shapes between them. Elsewhere (sparse corners: past the grid's ends or caps) the nearest bucket serves.
+    serve the shapes between them. A shape past the grid's ends is first clamped onto its edge. Elsewhere (a corner
+    not timed: a hole left by a cap) the nearest bucket serves.
     scripts/replay_dispatch.py replays recorded benches with these rules, and with each switched off (``without``).
     """
 
