@@ -69,7 +69,7 @@ class DispatchTable:
     ``point``: its key, except prefill's, which is (total_tokens / longest, longest): the timed uniform batches
     (n x L) form a full grid there, so that interpolation has its corners, and a ragged batch counts as the number
     of its longest prompt that it is worth (held out from the grid, this predicted the winner better than the
-    three keys or the number of sequences; see the results file). ``cell`` gives a shape's
+    three keys or the tokens, as well as the number of sequences; see the results file). ``cell`` gives a shape's
     per-axis bucket index on a log scale (boundaries at the geometric midpoints of neighbouring timed values, shapes
     beyond the ends clamped); ``bucket_for`` gives the timed bucket nearest to the shape in log space (clamped to
     the timed range). ``default`` is the phase's headline backend: the best single backend over all buckets.
