@@ -69,7 +69,7 @@ class DispatchTable:
     ``point``: its key, except prefill's, which is (total_tokens / longest, longest): the timed uniform batches
     (n x L) form a full grid there, so that interpolation has its corners, and a ragged batch counts as the number
     of its longest prompt that it is worth (held out from the grid, this predicted the winner better than the
-    three keys or the number of sequences; see the results file). ``cell`` gives a shape's
+    three keys or the tokens, as well as the number of sequences; see the results file). ``cell`` gives a shape's
     per-axis bucket index on a log scale (boundaries at the geometric midpoints of neighbouring timed values, shapes
     beyond the ends clamped); ``bucket_for`` gives the timed bucket nearest to the shape in log space (clamped to
     the timed range). ``default`` is the phase's headline backend: the best single backend over all buckets.
@@ -78,7 +78,8 @@ class DispatchTable:
     was timed (per axis the values just below and above it, in log space), each candidate's slowdown (log of its time
     over the corner's fastest) is interpolated multilinearly in log space and the least wins (exact ties: the order
     the table was built with). A backend that wins one corner narrowly and loses badly at the next then does not
-    serve the shapes between them. Elsewhere (sparse corners: past the grid's ends or caps) the nearest bucket serves.
+    serve the shapes between them. A shape past the grid's ends is first clamped onto its edge. Elsewhere (a corner
+    not timed: a hole left by a cap) the nearest bucket serves.
     scripts/replay_dispatch.py replays recorded benches with these rules, and with each switched off (``without``).
     """
 

@@ -127,6 +127,17 @@ def test_shapes_between_timed_ones_take_the_least_interpolated_slowdown():
     assert table.backend_for((64,)) == "fa3" and table.backend_for((1,)) == "triton"  # clamped beyond the ends
 
 
+def test_a_shape_past_the_grids_end_is_interpolated_along_its_edge():
+    """Beyond the timed batches the shape is clamped onto the edge (batch 4), not handed to the nearest bucket."""
+    cells = {(1, 256): {"a": 1.0, "b": 2.0}, (1, 1024): {"a": 2.0, "b": 1.0},
+             (4, 256): {"a": 1.0, "b": 1.5}, (4, 1024): {"a": 10.0, "b": 1.0}}
+    table = build_table(measured("decode", "eager", cells), ["a", "b"])
+    assert table.bucket_for((16, 400)).key == (4, 256) and table.bucket_for((16, 400)).backend == "a"
+    # on the edge 4 x 256..1024, weights 0.69 and 0.31: a 0.69 x 0 + 0.31 x 2.30, b 0.69 x 0.41 + 0.31 x 0: b
+    assert table.backend_for((16, 400)) == "b"
+    assert table.without("interpolation").backend_for((16, 400)) == "a"
+
+
 def test_interpolation_needs_every_corner_else_the_nearest_bucket():
     cells = dict(DECODE)
     full = build_table(measured("decode", "eager", cells), ["a", "b"])
