@@ -57,10 +57,38 @@ def test_ragged_buckets_are_timed_in_eager_mode_on_a_gpu_only():
     assert len(grid) == len(bucket_grid.RAGGED_DECODE_BATCHES) * len(bucket_grid.RAGGED_DECODE_MEANS) - 1
     assert bucket_grid.ragged_decode_grid(spec, cuda, mode="graph") == []
     assert bucket_grid.ragged_decode_grid(spec, torch.device("cpu")) == []
-    # the caps of the uniform grid: 128 rows x 4096 on average is 1 GiB of KV here; a sixth of 3 GiB free leaves it out
+    # the caps of the uniform grid: 128 rows x 4096 on average is 2 GiB of KV here; a sixth of 3 GiB free leaves it out
     small = bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=3 << 30)
     assert all(bucket_grid.decode_bytes(spec, 1, sum(lens)) <= (3 << 30) // 6 for _, lens in small)
     assert len(small) < len(grid)
+
+
+def test_ragged_buckets_leave_room_for_the_torch_backends_copy():
+    """torch's decode gathers every row to the longest row's width (batch x longest), about 4x a ragged bucket's KV:
+    28/4 heads, 512 rows x 4096 on average, 24 GiB free, passes the uniform grid's rule (4 GiB of KV, a sixth of free)
+    and torch then holds 4 + 16.9 GiB. A ragged bucket's KV and that copy stay within a third of free memory, as a
+    uniform bucket's KV and its copy (a sixth each) do; on an idle H100 (78 GiB free) nothing is left out."""
+    from attnsel.backends import torch_sdpa
+
+    lens = bucket_grid.ragged_decode_lens(8, 64)  # the premise, on the real code: a [batch, longest] slot gather
+    pages = [-(-n // 16) for n in lens]
+    table = torch.zeros(8, max(pages), dtype=torch.int32)
+    page, _, _, _ = torch_sdpa._slots(16, table, torch.tensor(lens, dtype=torch.int32), max(lens), None)
+    assert tuple(page.shape) == (8, max(lens))
+    cuda = torch.device("cuda")  # the grids read no device
+    gib = 1 << 30
+    for q, kv, d in ((32, 8, 128), (28, 4, 128), (8, 1, 128), (16, 8, 256)):
+        spec = AttentionSpec(q, kv, d, "bf16", 16)
+        per_token = 2 * kv * d * 2  # K and V, bf16
+        for free in (6 * gib, 12 * gib, 24 * gib, 48 * gib):
+            for _, lens in bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=free):
+                held = sum(lens) * per_token + len(lens) * max(lens) * per_token
+                assert held <= free / 3, (spec.describe(), free // gib, len(lens), sum(lens) // len(lens))
+        assert bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=78 * gib) == bucket_grid.ragged_decode_grid(
+            spec, cuda)
+    spec = AttentionSpec(28, 4, 128, "bf16", 16)
+    keys = {bucket_grid.ragged_key(lens) for _, lens in bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=24 * gib)}
+    assert (512, 1024) in keys and (512, 4096) not in keys
 
 
 def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):

@@ -196,15 +196,18 @@ def ragged_decode_lens(batch: int, mean: int) -> list[int]:
 def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
                        mode: str = "eager") -> list[tuple[int, list[int]]]:
     """(level 0, context lengths) of the ragged decode buckets: eager mode on a GPU only (a CUDA graph is captured
-    per batch size and keyed by it alone); capped like decode_grid."""
+    per batch size and keyed by it alone). A bucket's KV is at most MAX_DECODE_KV_BYTES and, given the device's free
+    memory, its KV and the torch backend's copy at most a third of it, as decode_grid's sixth for each: torch
+    gathers every row to the longest row's width, batch x longest, about 4x a ragged bucket's KV."""
     if device.type != "cuda" or mode != "eager":
         return []
-    cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
     grid = []
     for b in RAGGED_DECODE_BATCHES:
         for m in RAGGED_DECODE_MEANS:
             lens = ragged_decode_lens(b, m)
-            if decode_bytes(spec, 1, sum(lens)) <= cap:
+            kv = decode_bytes(spec, 1, sum(lens))
+            if kv <= MAX_DECODE_KV_BYTES and (free_bytes is None
+                                              or kv + decode_bytes(spec, b, max(lens)) <= free_bytes // 3):
                 grid.append((0, lens))
     return grid
 
