@@ -20,8 +20,8 @@ DEFAULT_L2_BYTES = 50 << 20  # an H200's L2; used when the device does not repor
 # Prompt lengths and decode batch sizes go in steps of sqrt(2): the kernels' speed is not monotone between powers of
 # two (tiles, waves over the SMs, split heuristics; see the results file). The values between powers of two form the
 # finest level (2).
-# The ranges cover what a server sends: prompts from 16 tokens (the kernels' short-prompt paths differ: FlashInfer picks
-# its tile from the average prompt, a 40 x 25 batch ran 2.5x slower than 13 x 26) and decode batches to 512 rows
+# The ranges cover what a server sends: prompts from 16 tokens (short prompts are not the 72-token bucket's regime:
+# FlashInfer ran a 40 x 25 batch 2.5x slower than 13 x 26, FA3 did not) and decode batches to 512 rows
 # (CUDA-graph capture sizes go that far): beyond the grid's ends a shape is served by its edge bucket, which
 # held-out cells found up to 1.15-1.7x off the fastest (see the results file).
 PREFILL_SEQS = (1, 2, 4, 8, 16, 32, 64)
