@@ -110,8 +110,9 @@ class DispatchTable:
                              f"{self.ragged.axes}{' with its own sub-table' if self.ragged.ragged else ''} under a "
                              f"{self.mode} {self.phase} table keyed by {self.axes}")
         points = {b.key: self.point(b.key) for b in self.buckets}
-        values = [sorted({p[i] for p in points.values()}) for i in range(len(next(iter(points.values()))))]
+        values = [sorted({p[i] for p in points.values()}) for i in range(len(points[self.buckets[0].key]))]
         bounds = [[math.sqrt(a * b) for a, b in zip(v, v[1:])] for v in values]
+        object.__setattr__(self, "_points", points)  # each bucket's point, once: lookups compare with them
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_bounds", bounds)
         object.__setattr__(self, "_cells", {})
@@ -165,7 +166,7 @@ class DispatchTable:
         point = tuple(round(16 * _log2(min(max(x, v[0]), v[-1]))) / 16 for x, v in zip(self.point(key), self._values))
         hit = self._cells.get(point)
         if hit is None:
-            hit = min(self.buckets, key=lambda b: sum((_log2(x) - p) ** 2 for x, p in zip(self.point(b.key), point)))
+            hit = min(self.buckets, key=lambda b: sum((_log2(x) - p) ** 2 for x, p in zip(self._points[b.key], point)))
             if len(self._cells) >= 4096:  # bounded memo
                 self._cells.clear()
             self._cells[point] = hit
@@ -234,7 +235,7 @@ class DispatchTable:
                 names = set.intersection(*(set(self._usable[c]) for c, _ in corners))
                 if names:
                     return {n: math.exp(sum(w * math.log(self._usable[c][n]) for c, w in corners)) for n in names}
-        return dict(self._usable.get(self.point(self.bucket_for(key).key), {}))
+        return dict(self._usable.get(self._points[self.bucket_for(key).key], {}))
 
     def _skewed_extend(self, key: tuple[int, ...], longest: int) -> str | None:
         """A skewed extend batch: a kernel that does not split a row's keys waits for its longest row, which the
