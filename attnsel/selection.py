@@ -42,15 +42,14 @@ POLICIES = ("measure", "priority")
 MODES = ("eager", "graph")
 # flashinfer_fa2 (FlashInfer's FA2 template) is a prefill candidate: on short prompts (up to a few hundred tokens
 # a batch) it was the fastest backend, up to 2.7x ahead of the others (results file, "Held-out prefill and decode");
-# its JIT build (about two minutes on a fresh machine) happens in validation, not timing. flashinfer_fa3 (decode)
-# is opt-in (--decode-priority): a further JIT build for a decode kernel 3-5x slower than the default's at large
-# batches.
-# flashinfer_xqa is opt-in too: it wins small uniform CUDA-graph decode buckets but splits every row alike, so a
+# flashinfer_fa3 (FlashInfer's FA3 template) is a decode candidate: the fastest on batches of 1-6 rows, 5-20% ahead.
+# Each is a further JIT build (about two minutes on a fresh machine) in validation, not timing.
+# flashinfer_xqa is opt-in: it wins small uniform CUDA-graph decode buckets but splits every row alike, so a
 # ragged batch (one long row among short ones) or a long context served by it is slower than Triton's decode, and
 # the table with it is worse over all (docs/ARCHITECTURE.md, Variants).
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
     "prefill": ("fa3", "flashinfer", "fa3_split", "fa3_packgqa", "flashinfer_fa2", "triton", "torch"),
-    "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "torch"),
+    "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "flashinfer_fa3", "torch"),
     "extend": ("fa3", "flashinfer", "triton", "fa3_split", "fa3_packgqa", "torch"),
 }
 

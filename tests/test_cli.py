@@ -383,7 +383,7 @@ def test_help_names_the_built_in_backends(capsys):
         assert name in out, name
     # the opt-in variants are named as such (the help said `attnsel report` lists all, but its default candidates
     # leave them out)
-    assert re.search(r"'auto' tries all but flashinfer_fa3, flashinfer_xqa \(opt- ?in", out), out
+    assert re.search(r"'auto' tries all but flashinfer_xqa \(opt- ?in", out), out
 
 
 def test_a_closed_output_pipe_exits_quietly(tmp_path):

@@ -411,3 +411,24 @@ def test_a_spec_torch_cannot_extend_still_selects_for_prefill_and_decode(monkeyp
     got = bench.select_modes(spec, ["eager"], "cpu", [], ("prefill", "decode"))
     assert "failed" not in caplog.text
     assert list(got) == ["eager"] and got["eager"].prefill_backend_for(2, 128, 64) in ("torch", "triton")
+
+
+def test_a_graph_mode_selection_for_prefill_and_decode_names_a_graph_safe_extend_backend(monkeypatch):
+    """Under CUDA graphs torch cannot serve extend (its plan gathers rows on the host: stale on replay), so naming
+    it failed every graph-mode selection of the held-out bench. There the untimed extend backend is the first one in
+    extend's default order that can serve the spec and is not stale on replay; the eager one stays torch."""
+    asked = []
+
+    def fake_select(spec, **kwargs):
+        asked.append((kwargs["mode"], kwargs.get("extend", "auto")))
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(bench, "select", fake_select)
+    monkeypatch.setattr(bench.backends, "availability", lambda b, spec, phase, device=None: (None, {}))
+    spec = AttentionSpec(32, 8, 128)
+    assert bench.select_modes(spec, ["eager", "graph"], "cpu", [], ("prefill", "decode")) == {}
+    graph_pick = asked[1][1]
+    assert asked[0] == ("eager", "torch") and asked[1][0] == "graph"
+    assert graph_pick != "torch" and bench.backends.graph_stale_reason(bench.backends.get(graph_pick), "extend") is None
+    assert graph_pick == next(n for n in bench.DEFAULT_PRIORITY["extend"]
+                              if bench.backends.graph_stale_reason(bench.backends.get(n), "extend") is None)

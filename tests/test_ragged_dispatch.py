@@ -34,14 +34,16 @@ def with_ragged(mode="eager", uniform=UNIFORM, ragged=RAGGED):
     return out
 
 
-@pytest.mark.parametrize("batch", [4, 5, 8, 32, 128])
-@pytest.mark.parametrize("mean", [1024, 4096])
+@pytest.mark.parametrize("batch", [8, 9, 32, 128, 512])
+@pytest.mark.parametrize("mean", [256, 1024, 4096])
 def test_ragged_timing_batches_have_their_mean_and_one_long_row(batch, mean):
     lens = bucket_grid.ragged_decode_lens(batch, mean)
     assert len(lens) == batch and all(n >= 1 for n in lens)
     assert bucket_grid.ragged_key(lens) == (batch, mean) and sum(lens) == batch * mean
     assert max(lens) >= bucket_grid.RAGGED_SKEW * sum(lens) / batch  # the lookup takes it for a ragged batch
-    assert min(lens) <= mean / 8  # short rows too, not two halves
+    assert min(lens) <= mean / 6  # short rows too, not two halves
+    # a serving batch's tail: the longest row grows with the batch (log-normal rows), 3x the mean at 8 rows
+    assert max(lens) / mean >= {8: 3, 9: 3, 32: 5, 128: 8, 512: 12}[batch]
     assert batch < 3 or lens != sorted(lens)  # rows in a fixed shuffled order
     assert lens == bucket_grid.ragged_decode_lens(batch, mean)
 
@@ -64,10 +66,10 @@ def test_ragged_buckets_are_timed_in_eager_mode_on_a_gpu_only():
 
 
 def test_ragged_buckets_leave_room_for_the_torch_backends_copy():
-    """torch's decode gathers every row to the longest row's width (batch x longest), about 4x a ragged bucket's KV:
+    """torch's decode gathers every row to the longest row's width (batch x longest), 3-13x a ragged bucket's KV:
     28/4 heads, 512 rows x 4096 on average, 24 GiB free, passes the uniform grid's rule (4 GiB of KV, a sixth of free)
-    and torch then holds 4 + 16.9 GiB. A ragged bucket's KV and that copy stay within a third of free memory, as a
-    uniform bucket's KV and its copy (a sixth each) do; on an idle H100 (78 GiB free) nothing is left out."""
+    and torch would then hold 4 + 55 GiB. A ragged bucket's KV and that copy stay within half of free memory; on an
+    idle H100 (78 GiB free) 8 KV heads of 128 keep every bucket but 512 rows x 4096 (over the KV cap)."""
     from attnsel.backends import torch_sdpa
 
     lens = bucket_grid.ragged_decode_lens(8, 64)  # the premise, on the real code: a [batch, longest] slot gather
@@ -80,15 +82,17 @@ def test_ragged_buckets_leave_room_for_the_torch_backends_copy():
     for q, kv, d in ((32, 8, 128), (28, 4, 128), (8, 1, 128), (16, 8, 256)):
         spec = AttentionSpec(q, kv, d, "bf16", 16)
         per_token = 2 * kv * d * 2  # K and V, bf16
-        for free in (6 * gib, 12 * gib, 24 * gib, 48 * gib):
+        for free in (6 * gib, 12 * gib, 24 * gib, 48 * gib, 78 * gib):
             for _, lens in bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=free):
                 held = sum(lens) * per_token + len(lens) * max(lens) * per_token
-                assert held <= free / 3, (spec.describe(), free // gib, len(lens), sum(lens) // len(lens))
-        assert bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=78 * gib) == bucket_grid.ragged_decode_grid(
-            spec, cuda)
+                assert held <= free / 2, (spec.describe(), free // gib, len(lens), sum(lens) // len(lens))
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    keys = {bucket_grid.ragged_key(lens) for _, lens in bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=78 * gib)}
+    assert keys == {(b, m) for b in bucket_grid.RAGGED_DECODE_BATCHES
+                    for m in bucket_grid.RAGGED_DECODE_MEANS} - {(512, 4096)}
     spec = AttentionSpec(28, 4, 128, "bf16", 16)
     keys = {bucket_grid.ragged_key(lens) for _, lens in bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=24 * gib)}
-    assert (512, 1024) in keys and (512, 4096) not in keys
+    assert (512, 1024) not in keys and (128, 4096) in keys
 
 
 def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
@@ -113,7 +117,7 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
     assert all(isinstance(s, tuple) for s in seen[:coarse] + seen[coarse + len(ragged):])
     flagged = [b for b in out["buckets"] if b.get("ragged")]
     assert [b["key"] for b in flagged] == [list(bucket_grid.ragged_key(lens)) for lens in ragged]
-    assert flagged[0]["label"] == f"ragged 4 (mean 1024, max {max(ragged[0])})"
+    assert flagged[0]["label"] == f"ragged 8 (mean 256, max {max(ragged[0])})"
     table = build_table(out, ["a", "b"])
     assert table.ragged is not None and len(table.ragged.buckets) == len(ragged)
     assert not any(b.label.startswith("ragged") for b in table.buckets)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 import torch
 
@@ -36,13 +37,15 @@ DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256, 3
 DECODE_CTX_POW2 = (256, 512, 1024, 2048, 4096, 8192, 16384)
 DECODE_TILE_TAIL = 32
 DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
-# Ragged decode buckets (eager mode): batches whose rows' contexts spread from 1/16 to 4 times their mean (longest
-# row 3.0-4.2x the mean), timed as a sub-table keyed like the uniform one (batch, mean context) and used for batches
-# of similar skew (longest row at least RAGGED_SKEW times the mean) near the timed ones (dispatch.DispatchTable.
-# covers): on such batches of 32 rows and more the uniform table's choice for their (batch, mean) can be far from the
-# fastest; up to 8 rows the two agree (see the results file).
-RAGGED_DECODE_BATCHES = (4, 8, 32, 128, 512)
-RAGGED_DECODE_MEANS = (1024, 4096)
+# Ragged decode buckets (eager mode): batches whose rows' contexts follow a serving batch's spread (log-normal,
+# RAGGED_ROW_SIGMA; the longest row 3x the mean at 8 rows, 13x at 512), timed as a sub-table keyed like the uniform
+# one (batch, mean context) and used for batches of similar skew (longest row at least RAGGED_SKEW times the mean)
+# near the timed ones (dispatch.DispatchTable.covers): on such batches the uniform table's choice for their
+# (batch, mean) can be far from the fastest (Triton's split of the context is even over the rows, FA3's and
+# FlashInfer's are not; see the results file).
+RAGGED_DECODE_BATCHES = (8, 32, 128, 512)
+RAGGED_DECODE_MEANS = (256, 1024, 4096)
+RAGGED_ROW_SIGMA = 1.0  # log-normal sigma of a batch's rows around its median (bench_cells draws held-out batches so)
 RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
 # Wave edges (eager and graph decode): a kernel that runs one thread block per (row, KV head) and does not split
 # the context (FA3 once the blocks fill 0.8 of the SMs) takes ceil(batch x kv_heads / SMs) rounds, so its time steps
@@ -180,12 +183,13 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
 
 
 def ragged_decode_lens(batch: int, mean: int) -> list[int]:
-    """The context lengths of a ragged timing batch: log-uniform from 1/16 to 4 (relative), scaled to ``mean`` on
-    average exactly (each at least 1), in a fixed shuffled order (rows sorted by length would favour one kernel's
-    scheduling)."""
+    """The context lengths of a ragged timing batch: the quantiles (i + 1/2) / batch of a log-normal of sigma
+    RAGGED_ROW_SIGMA, scaled to ``mean`` on average exactly (each at least 1), in a fixed shuffled order (rows sorted
+    by length would favour one kernel's scheduling)."""
     if batch == 1:
         return [mean]
-    weights = [2.0 ** (-4 + 6 * i / (batch - 1)) for i in range(batch)]
+    normal = statistics.NormalDist()
+    weights = [math.exp(RAGGED_ROW_SIGMA * normal.inv_cdf((i + 0.5) / batch)) for i in range(batch)]
     scale = mean * batch / sum(weights)
     lens = [max(1, round(w * scale)) for w in weights]
     lens[-1] += mean * batch - sum(lens)  # the longest row takes the rounding: the mean is exact
@@ -197,8 +201,9 @@ def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: in
                        mode: str = "eager") -> list[tuple[int, list[int]]]:
     """(level 0, context lengths) of the ragged decode buckets: eager mode on a GPU only (a CUDA graph is captured
     per batch size and keyed by it alone). A bucket's KV is at most MAX_DECODE_KV_BYTES and, given the device's free
-    memory, its KV and the torch backend's copy at most a third of it, as decode_grid's sixth for each: torch
-    gathers every row to the longest row's width, batch x longest, about 4x a ragged bucket's KV."""
+    memory, its KV and the torch backend's copy at most half of it: torch gathers every row to the longest row's
+    width, batch x longest, 3-13x a ragged bucket's KV (8-512 rows); a third would leave out 512 rows of 1024 on
+    average for 8 KV heads of 128 on an idle H100, which the batches of a busy server need."""
     if device.type != "cuda" or mode != "eager":
         return []
     grid = []
@@ -207,7 +212,7 @@ def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: in
             lens = ragged_decode_lens(b, m)
             kv = decode_bytes(spec, 1, sum(lens))
             if kv <= MAX_DECODE_KV_BYTES and (free_bytes is None
-                                              or kv + decode_bytes(spec, b, max(lens)) <= free_bytes // 3):
+                                              or kv + decode_bytes(spec, b, max(lens)) <= free_bytes // 2):
                 grid.append((0, lens))
     return grid
 
