@@ -424,3 +424,32 @@ def test_the_timed_grid_covers_what_a_server_sends():
         assert max(b for _, b, _ in bucket_grid.decode_grid(spec, cuda, mode=mode)) >= bench_cells.DECODE_BATCH_MAX
     ragged = {len(lens) for _, lens in bucket_grid.ragged_decode_grid(spec, cuda)}
     assert any(b / 2 <= 400 <= 2 * b for b in ragged)
+
+
+def test_eager_finer_buckets_skip_candidates_slow_at_every_nearby_coarse_bucket(monkeypatch):
+    """A candidate that wins somewhere (so the global prune keeps it) but is at least PRUNE times slower at every
+    coarse bucket within a coarse step (4x per axis) of a finer bucket is not timed there: FlashInfer's FA3 decode
+    template wins batches of 1-6 rows and is 3-5x slower at hundreds, where each of its samples is the longest.
+    Where no coarse bucket is near, or in graph mode (a batch size is scored over all its contexts), every kept
+    candidate is timed."""
+    seen = []
+    speed = {"small": {"fast": 12.0, "small": 10.0}, "big": {"fast": 10.0, "small": 40.0}}
+
+    def fake_bucket(cands, spec, phase, shape, device, mode, reps):
+        seen.append((shape, sorted(cands)))
+        us = {n: speed["small" if shape[0] <= 8 else "big"][n] for n in cands}
+        return {"us": us, "spread": {n: 0.0 for n in us}, "errors": {}}
+
+    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    grid = [(0, (1, 1024)), (0, (4, 1024)), (0, (16, 1024)), (0, (64, 1024)), (0, (256, 1024)),
+            (1, (2, 1024)), (2, (11, 1024)), (1, (32, 1024)), (2, (181, 1024)), (2, (2048, 1024))]
+    out = timing.measure(SPEC, "decode", ["fast", "small"], torch.device("cpu"), "eager", reps=1, grid=grid)
+    finer = dict(seen[5:])
+    assert finer[(2, 1024)] == ["fast", "small"] and finer[(11, 1024)] == ["fast", "small"]  # 4 rows are near
+    assert finer[(32, 1024)] == ["fast"] and finer[(181, 1024)] == ["fast"]  # 16, 64 / 64, 256: 4x slower at all
+    assert finer[(2048, 1024)] == ["fast", "small"]  # no coarse bucket within 4x: every kept candidate
+    assert out["pruned"] == {} and out["pruned_near"] == {"small": 2}
+    seen.clear()
+    timing.measure(SPEC, "decode", ["fast", "small"], torch.device("cpu"), "graph", reps=1, grid=grid)
+    assert all(names == ["fast", "small"] for _, names in seen)

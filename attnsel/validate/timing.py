@@ -23,6 +23,10 @@ Timing rules (what a number in a report means):
   every coarse bucket is not timed on the finer levels (listed in "pruned" with its best ratio): it is unlikely to
   win there (an extrapolation from the coarse grid, not a check), and the finer grid then costs less. A finer
   bucket where a timed candidate fails is timed again with every candidate, so that a pruned one can serve it.
+  Eager mode also prunes near each finer bucket: a candidate at least ``PRUNE`` times slower in every coarse bucket
+  within ``NEAR`` on every axis is not timed there (counted in "pruned_near"); FlashInfer's FA3 decode template wins
+  the smallest batches and is 3-5x slower at hundreds of rows, where its samples would be the longest. Graph mode
+  does not: a batch size is scored over all its contexts.
 - Checked: after the timing, what the timed plan computes (eager: two more calls, the first one's output NaN-filled
   and held during the second; graph: outputs NaN-filled, one more replay, the first and last input set) is compared
   with the float32 reference on sampled rows (spot.spot_reference, once per bucket and set); a wrong candidate gets
@@ -61,6 +65,7 @@ GRID_VERSION = 12  # part of the dispatch-table cache key: bump when the grid or
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
+NEAR = 4.0  # eager: a finer bucket's nearby coarse buckets lie within this factor on every axis (the coarse step)
 SAMPLE_S = 1e-3  # a sample lasts at least this long (CUDA event resolution is ~0.5 us)
 MAX_REPEAT = 10000  # units per sample at most
 PLAN_ALLOWANCE_S = 30.0  # per phase: this much of the plans-and-first-calls step is not counted against the
@@ -334,8 +339,8 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
     "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a
     ragged decode bucket only}],
-    "skipped": [labels], "pruned", "wall_s", "counted_s": what the budget counted of it, "steps_s": {step:
-    seconds over the buckets}}``.
+    "skipped": [labels], "pruned", "pruned_near": {name: finer buckets it skipped}, "wall_s", "counted_s": what the
+    budget counted of it, "steps_s": {step: seconds over the buckets}}``.
     """
     from .. import backends
 
@@ -356,6 +361,8 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
     allowance = plan_allowance(budget_s, max_budget_s)
     coarse: list[dict] = []
+    near_keys: list[tuple] = []  # (key, timed) of the uniform coarse buckets, for pruning near a finer bucket
+    pruned_near: dict[str, int] = {}
     for level, shape in grid:
         ragged = phase == "decode" and isinstance(shape, list)  # a decode batch's context lengths
         if phase == "extend":
@@ -377,8 +384,16 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
                          "bucket)", phase, spec.describe(), name, ratio)
             cands = {n: b for n, b in cands.items() if n not in pruned}
             coarse = None
-        timed = time_bucket(cands, spec, phase, shape, device, mode, reps)
-        if pruned and timed["errors"]:  # a timed candidate failed here: the pruned ones may have to serve it
+        local = {}
+        if level > 0 and mode == "eager":
+            near = [timed for k, timed in near_keys
+                    if all(max(a, 1) / max(b, 1) <= NEAR and max(b, 1) / max(a, 1) <= NEAR for a, b in zip(k, key))]
+            local = prune(near, list(cands))
+            for name in local:
+                pruned_near[name] = pruned_near.get(name, 0) + 1
+        timed = time_bucket({n: b for n, b in cands.items() if n not in local}, spec, phase, shape, device, mode,
+                            reps)
+        if (pruned or local) and timed["errors"]:  # a timed candidate failed: the pruned ones may have to serve
             log.info("%s %s %s: %s failed; timed again with the pruned candidates", phase, spec.describe(), label,
                      ", ".join(timed["errors"]))
             _add_steps(steps, timed)
@@ -388,6 +403,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
         buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}), **timed})
         if level == 0 and coarse is not None and not ragged:  # pruning reads the uniform coarse grid only
             coarse.append(timed)
+            near_keys.append((key, timed))
     reference = host_reference([b["host_us"] for b in buckets if b.get("host_us")])
     for b in buckets:  # the host's speed while a bucket was timed, over the phase's reference
         if b.get("host_us"):
@@ -395,7 +411,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     wall = time.perf_counter() - t0
     return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
             "axes": list(AXES[phase]), "reps": reps, "buckets": buckets,
-            "skipped": skipped, "pruned": pruned, "wall_s": wall,
+            "skipped": skipped, "pruned": pruned, "pruned_near": pruned_near, "wall_s": wall,
             "counted_s": _counted(wall, steps, allowance), "steps_s": steps}
 
 
