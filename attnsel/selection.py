@@ -46,7 +46,7 @@ MODES = ("eager", "graph")
 # Each is a further JIT build (about two minutes on a fresh machine) in validation, not timing.
 # flashinfer_xqa is opt-in: it wins small uniform CUDA-graph decode buckets but splits every row alike, so a
 # ragged batch (one long row among short ones) or a long context served by it is slower than Triton's decode, and
-# the table with it is worse over all (docs/ARCHITECTURE.md, Variants).
+# the table with it is worse over all (see the results file).
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
     "prefill": ("fa3", "flashinfer", "fa3_split", "fa3_packgqa", "flashinfer_fa2", "triton", "torch"),
     "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "flashinfer_fa3", "torch"),
