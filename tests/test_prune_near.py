@@ -12,7 +12,7 @@ CUDA = torch.device("cuda")  # only its type is read by the grids: nothing is al
 SPEC = AttentionSpec(32, 8, 128, "bf16", 16)
 
 
-def _measure(monkeypatch, grid, phase, speed):
+def _measure(monkeypatch, grid, phase, speed, names=("fa3", "mtd")):
     """measure() over ``grid`` with time_bucket replaced by ``speed(name, key) -> us``; also (key, names timed)."""
     seen = []
 
@@ -24,7 +24,7 @@ def _measure(monkeypatch, grid, phase, speed):
 
     monkeypatch.setattr(timing, "time_bucket", fake_bucket)
     monkeypatch.setattr(backends_mod, "get", lambda name: name)
-    out = timing.measure(SPEC, phase, ["fa3", "mtd"], torch.device("cpu"), "eager", reps=1, grid=grid)
+    out = timing.measure(SPEC, phase, list(names), torch.device("cpu"), "eager", reps=1, grid=grid)
     return out, dict(seen)
 
 
@@ -47,3 +47,35 @@ def test_extend_keeps_a_winner_that_turns_between_coarse_query_lengths(monkeypat
     assert [k for k in wins if table.backend_for(k) != "mtd"] == []
     assert table.backend_for((1, 10, 1024)) == "mtd" and table.backend_for((16, 10, 16384)) == "mtd"
     assert table.backend_for((16, 128, 16384)) == "fa3"
+
+
+def test_the_headline_backend_is_not_lost_to_local_pruning(monkeypatch):
+    """The table's default is the best single backend over the buckets (least geometric mean). A backend pruned near
+    a few finer buckets ("fi": 1.4x behind at 1-4 rows, fastest from 8 rows on, 1.5x ahead of FA3) is still the best
+    single one: it must not lose the headline to one timed everywhere ("tri", 1.25x behind the fastest everywhere)
+    merely because the finer buckets of 2 and 3 rows skipped it."""
+    from attnsel.validate import grid as bucket_grid
+
+    def speed(name, key):
+        base = key[0] * key[1] / 100 + 10.0
+        small = key[0] <= 4
+        return base * {"fi": 1.4 if small else 1.0, "fa3": 1.0 if small else 1.5, "tri": 1.25}[name]
+
+    grid = [(lvl, (b, c)) for lvl, b, c in bucket_grid.decode_grid(SPEC, CUDA, None, "eager")]
+    out, seen = _measure(monkeypatch, grid, "decode", speed, ("fa3", "fi", "tri"))
+    assert out["pruned_near"].get("fi") and not out["pruned_near"].get("tri")  # the premise
+    table = build_table(out, ["fa3", "fi", "tri"])
+    assert table.default == "fi", table.default
+
+
+def test_a_cached_bucket_whose_pruned_near_is_not_a_list_of_names_is_refused(monkeypatch):
+    """build_table reads a bucket's "pruned_near" as names: a hand-edited string would match by substring."""
+    from attnsel.cache import entry_problem
+
+    grid = [(0, (1, 1056)), (0, (4, 1056)), (0, (16, 1056)), (0, (64, 1056)), (2, (23, 1056))]
+    out, _ = _measure(monkeypatch, grid, "decode", lambda n, k: 10.0 if n == "fa3" or k[0] == 1 else 20.0)
+    assert out["buckets"][-1]["pruned_near"] == ["mtd"]
+    entry = {"kind": "dispatch", "status": "timed", "budget_s": 45.0, "measured": out}
+    assert entry_problem(entry) is None
+    out["buckets"][-1]["pruned_near"] = "mtd"
+    assert "pruned_near candidates that are not a list of names" in entry_problem(entry)

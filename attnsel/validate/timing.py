@@ -340,7 +340,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
     "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a
-    ragged decode bucket only}],
+    ragged decode bucket only, "pruned_near": [candidates pruned near it] where any}],
     "skipped": [labels], "pruned", "pruned_near": {name: finer buckets it skipped}, "wall_s", "counted_s": what the
     budget counted of it, "steps_s": {step: seconds over the buckets}}``.
     """
@@ -386,11 +386,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
                          "bucket)", phase, spec.describe(), name, ratio)
             cands = {n: b for n, b in cands.items() if n not in pruned}
             coarse = None
-        local = {}
-        if level > 0 and mode == "eager":
-            local = prune(near_coarse(near_keys, key), list(cands))
-            for name in local:
-                pruned_near[name] = pruned_near.get(name, 0) + 1
+        local = prune(near_coarse(near_keys, key), list(cands)) if level > 0 and mode == "eager" else {}
         timed = time_bucket({n: b for n, b in cands.items() if n not in local}, spec, phase, shape, device, mode,
                             reps)
         if (pruned or local) and timed["errors"]:  # a timed candidate failed: the pruned ones may have to serve
@@ -399,8 +395,12 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             _add_steps(steps, timed)
             timed = time_bucket({**cands, **{n: backends.get(n) for n in pruned}}, spec, phase, shape, device,
                                 mode, reps)
+            local = {}
+        for name in local:
+            pruned_near[name] = pruned_near.get(name, 0) + 1
         _add_steps(steps, timed)
-        buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}), **timed})
+        buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}),
+                        **({"pruned_near": sorted(local)} if local else {}), **timed})
         if level == 0 and coarse is not None and not ragged:  # pruning reads the uniform coarse grid only
             coarse.append(timed)
             near_keys.append((key, timed))
