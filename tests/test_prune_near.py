@@ -79,3 +79,21 @@ def test_a_cached_bucket_whose_pruned_near_is_not_a_list_of_names_is_refused(mon
     assert entry_problem(entry) is None
     out["buckets"][-1]["pruned_near"] = "mtd"
     assert "pruned_near candidates that are not a list of names" in entry_problem(entry)
+
+
+def test_a_candidate_pruned_near_finer_buckets_says_why_it_has_no_time_there(monkeypatch):
+    """A valid candidate without a time in some bucket says why (as a failed or a pruned one does): its score is a
+    geometric mean over the buckets it was timed in, which leave out those where it was slow."""
+    from attnsel.selector import Candidate, _annotate
+    from attnsel.store import bucket_errors
+
+    grid = [(0, (1, 1056)), (0, (4, 1056)), (0, (16, 1056)), (0, (64, 1056)), (2, (23, 1056)), (2, (45, 1056))]
+    out, _ = _measure(monkeypatch, grid, "decode", lambda n, k: 10.0 if n == "fa3" or k[0] == 1 else 20.0)
+    assert out["pruned_near"] == {"mtd": 2}
+    found = {(n, "decode"): Candidate(n, "valid") for n in ("fa3", "mtd")}
+    table = build_table(out, ["fa3", "mtd"])
+    _annotate(found, "decode", ["fa3", "mtd"], table, bucket_errors(out), out["pruned_near"])
+    assert found[("fa3", "decode")].reason == ""
+    assert found[("mtd", "decode")].reason == ("not timed in 2 finer bucket(s): at least 1.30x the fastest in every "
+                                               "coarse bucket near them (its score covers the buckets it was timed in)")
+    assert found[("mtd", "decode")].timings_us == {"1x1056": 10.0, "4x1056": 20.0, "16x1056": 20.0, "64x1056": 20.0}
