@@ -41,8 +41,8 @@ DECODE_BATCHES = (1, 3, 12, 48, 100, 200)
 DECODE_CTX = (200, 700, 3000, 9000)
 RAGGED_DECODE = [100, 3000, 500, 9000, 20, 1500, 700, 4000]
 # ragged batches of 48 and 100 rows too: near the timed ragged buckets of 32 and 128 rows, where the ragged and the
-# uniform tables disagree most (see the results file); neither is a timed shape nor of the timed profile (log-uniform
-# 1/16-4x)
+# uniform tables disagree most (see the results file); neither is a timed shape nor of the timed profile (log-normal
+# quantiles, grid.ragged_decode_lens)
 RAGGED_DECODES = [RAGGED_DECODE, RAGGED_DECODE * 6, [50, 200, 800, 2500, 6000] * 20]
 QUICK_PREFILL = [[400], [5000], [300] * 10, [13, 3000, 777, 1500, 100, 1]]
 QUICK_DECODE = [(1, 700), (12, 3000), (100, 700), RAGGED_DECODE]

@@ -224,9 +224,12 @@ def _dispatch_problem(entry: dict) -> str | None:
                 and all(isinstance(b.get(f, {}), dict) for f in ("errors", "spread"))
                 and all(_number_or_none(s) for s in b.get("spread", {}).values())
                 and all(_number_or_none(b.get(f)) for f in ("host", "host_us"))
-                and isinstance(b.get("ragged", False), bool)):
+                and isinstance(b.get("ragged", False), bool)
+                and isinstance(b.get("pruned_near", []), list)
+                and all(isinstance(n, str) for n in b.get("pruned_near", []))):
             return ("a dispatch bucket without us (times: finite, >= 0, or null), key (one int >= 1 per axis) and "
-                    "label, or with a ragged flag that is not true/false or a host probe that is not a number")
+                    "label, or with a ragged flag that is not true/false, a host probe that is not a number or "
+                    "pruned_near candidates that are not a list of names")
     return None
 
 

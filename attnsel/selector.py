@@ -206,7 +206,7 @@ class _Run:
         if table is None:
             self.jobs.errors[phase] = "no candidate was timed in any bucket"
             return None
-        _annotate(self.found, phase, valid, table, bucket_errors(done))
+        _annotate(self.found, phase, valid, table, bucket_errors(done), done.get("pruned_near") or {})
         if phase in to_time and not done.get("transient") and time_again(self.timings[phase], valid, share) is None:
             self.store.put_timings(self.table_key(phase), len(table.buckets), valid, done, share)
         return table
@@ -264,8 +264,10 @@ def _availability(name: str, spec: AttentionSpec, phase: Phase, device: str, mod
     return reason, identity
 
 
-def _annotate(found: dict, phase: Phase, valid: list[str], table: DispatchTable, errors: dict) -> None:
-    """Each valid candidate's times per bucket, its score, and why it has no time somewhere or was pruned."""
+def _annotate(found: dict, phase: Phase, valid: list[str], table: DispatchTable, errors: dict,
+              pruned_near: dict | None = None) -> None:
+    """Each valid candidate's times per bucket, its score, and why it has no time somewhere or was pruned
+    (``pruned_near``: timing.measure's count of the finer buckets that skipped each candidate)."""
     pruned = dict(table.pruned)
     for name in valid:
         cand = found[(name, phase)]
@@ -278,6 +280,9 @@ def _annotate(found: dict, phase: Phase, valid: list[str], table: DispatchTable,
         elif name in pruned:
             cand.reason = (f"not timed on the finer grid: at least {pruned[name]:.2f}x the fastest in every coarse "
                            f"bucket (its score covers the coarse buckets only)")
+        elif (pruned_near or {}).get(name):
+            cand.reason = (f"not timed in {pruned_near[name]} finer bucket(s): at least {timing.PRUNE:.2f}x the "
+                           f"fastest in every coarse bucket near them (its score covers the buckets it was timed in)")
 
 
 def _outliers(spec: AttentionSpec, errors: dict[str, float | None]) -> dict[str, str]:

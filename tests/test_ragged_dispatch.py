@@ -330,3 +330,40 @@ def test_a_wrong_longest_is_named_when_metadata_is_checked(monkeypatch):
         with pytest.raises(ValueError, match=rf"^longest={wrong} but the longest of seq_lens is 2000 \(row 0\); "
                                              r"allowed: longest = max\(seq_lens\)"):
             sel.plan_decode(page_table, seq_lens, max_seq_len=2048, context_tokens=2300, longest=wrong)
+
+
+@pytest.mark.parametrize("features", [{}, {"softcap": 30.0}, {"sinks": True}, {"kv_dtype": "fp8_e4m3"}],
+                         ids=["plain", "softcap", "sinks", "fp8"])
+def test_ragged_buckets_leave_room_for_the_torch_copy_of_every_spec(features):
+    """With softcap or sinks torch's decode gathers K and V in float32 (twice the query dtype's bytes), and an fp8
+    cache is cast as it is gathered: what the real gather holds at its peak (K's result, then V's gathered rows and
+    its result; measured on a small batch, per slot) together with the bucket's KV stays within half of free memory,
+    as ragged_decode_grid promises."""
+    from attnsel.backends import torch_sdpa
+
+    cpu, cuda, gib = torch.device("cpu"), torch.device("cuda"), 1 << 30
+    for q, kv, d in ((32, 8, 128), (16, 8, 256), (8, 1, 128)):
+        spec = AttentionSpec(q, kv, d, "bf16", 16, **features)
+        small = bucket_grid.ragged_decode_lens(8, 64)
+        work = bucket_grid.make_ragged_decode_workload(spec, cpu, "", small)
+        run = torch_sdpa.BACKEND.plan_decode(spec, *work.plan_args)
+        calls, real = [], torch_sdpa.dequantised
+
+        def recorded(rows, scale, dtype):
+            out = real(rows, scale, dtype)
+            calls.append((rows.nbytes if out.data_ptr() != rows.data_ptr() else 0, out.nbytes))
+            return out
+
+        torch_sdpa.dequantised = recorded
+        try:
+            run(*work.inputs, **bucket_grid.feature_inputs(spec, "decode", cpu))
+        finally:
+            torch_sdpa.dequantised = real
+        (_, k_out), (v_rows, v_out) = calls
+        per_slot = (k_out + v_rows + v_out) / (len(small) * max(small))
+        assert per_slot <= bucket_grid.torch_decode_copy_bytes(spec, 1, 1)  # the grid's estimate covers it
+        for free in (6 * gib, 12 * gib, 24 * gib, 48 * gib, 78 * gib):
+            for _, lens in bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=free):
+                cache = bucket_grid.decode_bytes(spec, 1, sum(lens))
+                assert cache + len(lens) * max(lens) * per_slot <= free / 2, (spec.describe(), free // gib,
+                                                                              len(lens), sum(lens) // len(lens))

@@ -201,9 +201,9 @@ def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: in
                        mode: str = "eager") -> list[tuple[int, list[int]]]:
     """(level 0, context lengths) of the ragged decode buckets: eager mode on a GPU only (a CUDA graph is captured
     per batch size and keyed by it alone). A bucket's KV is at most MAX_DECODE_KV_BYTES and, given the device's free
-    memory, its KV and the torch backend's copy at most half of it: torch gathers every row to the longest row's
-    width, batch x longest, 3-13x a ragged bucket's KV (8-512 rows); a third would leave out 512 rows of 1024 on
-    average for 8 KV heads of 128 on an idle H100, which the batches of a busy server need."""
+    memory, its KV and the torch backend's copy (``torch_decode_copy_bytes``) at most half of it: torch gathers every
+    row to the longest row's width, batch x longest, 3-13x a ragged bucket's KV (8-512 rows); a third would leave out
+    512 rows of 1024 on average for 8 KV heads of 128 on an idle H100, which the batches of a busy server need."""
     if device.type != "cuda" or mode != "eager":
         return []
     grid = []
@@ -212,7 +212,7 @@ def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: in
             lens = ragged_decode_lens(b, m)
             kv = decode_bytes(spec, 1, sum(lens))
             if kv <= MAX_DECODE_KV_BYTES and (free_bytes is None
-                                              or kv + decode_bytes(spec, b, max(lens)) <= free_bytes // 2):
+                                              or kv + torch_decode_copy_bytes(spec, b, max(lens)) <= free_bytes // 2):
                 grid.append((0, lens))
     return grid
 
@@ -302,6 +302,18 @@ def prefill_flops(spec: AttentionSpec, lens: list[int]) -> float:
 def decode_bytes(spec: AttentionSpec, batch: int, ctx: int) -> float:
     item = torch.finfo(spec.torch_dtype).bits // 8
     return 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * item
+
+
+def torch_decode_copy_bytes(spec: AttentionSpec, batch: int, width: int) -> float:
+    """The most the torch backend's decode holds of its gathered K and V, ``batch`` rows ``width`` slots wide
+    (torch_sdpa.attend_paged): K in the dtype it computes in (float32 with softcap or sinks, else the query's) while
+    V is gathered in the cache's dtype and cast (an fp8 cache through a float32 copy and its scaled product)."""
+    elems = batch * width * spec.num_kv_heads * spec.head_dim
+    item = torch.finfo(spec.torch_dtype).bits // 8
+    out = 4 if spec.softcap is not None or spec.sinks else item
+    cache = torch.finfo(spec.kv_torch_dtype).bits // 8
+    gathering = cache + 8 if spec.kv_dtype is not None else cache + (out if out != cache else 0)
+    return elems * (out + gathering)
 
 
 def l2_bytes(device: torch.device) -> int:

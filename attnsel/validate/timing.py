@@ -24,9 +24,10 @@ Timing rules (what a number in a report means):
   win there (an extrapolation from the coarse grid, not a check), and the finer grid then costs less. A finer
   bucket where a timed candidate fails is timed again with every candidate, so that a pruned one can serve it.
   Eager mode also prunes near each finer bucket: a candidate at least ``PRUNE`` times slower in every coarse bucket
-  within ``NEAR`` on every axis is not timed there (counted in "pruned_near"); FlashInfer's FA3 decode template wins
-  the smallest batches and is 3-5x slower at hundreds of rows, where its samples would be the longest. Graph mode
-  does not: a batch size is scored over all its contexts.
+  within ``NEAR`` on every axis, where those bracket the bucket on every axis (``near_coarse``), is not timed there
+  (counted in "pruned_near"); FlashInfer's FA3 decode template wins the smallest batches and is 3-5x slower at
+  hundreds of rows, where its samples would be the longest. Graph mode does not: a batch size is scored over all
+  its contexts.
 - Checked: after the timing, what the timed plan computes (eager: two more calls, the first one's output NaN-filled
   and held during the second; graph: outputs NaN-filled, one more replay, the first and last input set) is compared
   with the float32 reference on sampled rows (spot.spot_reference, once per bucket and set); a wrong candidate gets
@@ -61,11 +62,12 @@ from .host_probe import host_probe, host_reference
 log = logging.getLogger(__name__)
 AXES = {"prefill": PREFILL_AXES, "decode": DECODE_AXES, "extend": EXTEND_AXES}
 
-GRID_VERSION = 12  # part of the dispatch-table cache key: bump when the grid or the timing rules change
+GRID_VERSION = 13  # part of the dispatch-table cache key: bump when the grid or the timing rules change
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
-NEAR = 4.0  # eager: a finer bucket's nearby coarse buckets lie within this factor on every axis (the coarse step)
+NEAR = 4.0  # eager: a finer bucket's nearby coarse buckets lie within this factor on every axis (decode's and
+# prefill's coarse step; extend's is 16-32x, so there few finer buckets are bracketed and pruned so)
 SAMPLE_S = 1e-3  # a sample lasts at least this long (CUDA event resolution is ~0.5 us)
 MAX_REPEAT = 10000  # units per sample at most
 PLAN_ALLOWANCE_S = 30.0  # per phase: this much of the plans-and-first-calls step is not counted against the
@@ -338,7 +340,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
     "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a
-    ragged decode bucket only}],
+    ragged decode bucket only, "pruned_near": [candidates pruned near it] where any}],
     "skipped": [labels], "pruned", "pruned_near": {name: finer buckets it skipped}, "wall_s", "counted_s": what the
     budget counted of it, "steps_s": {step: seconds over the buckets}}``.
     """
@@ -384,13 +386,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
                          "bucket)", phase, spec.describe(), name, ratio)
             cands = {n: b for n, b in cands.items() if n not in pruned}
             coarse = None
-        local = {}
-        if level > 0 and mode == "eager":
-            near = [timed for k, timed in near_keys
-                    if all(max(a, 1) / max(b, 1) <= NEAR and max(b, 1) / max(a, 1) <= NEAR for a, b in zip(k, key))]
-            local = prune(near, list(cands))
-            for name in local:
-                pruned_near[name] = pruned_near.get(name, 0) + 1
+        local = prune(near_coarse(near_keys, key), list(cands)) if level > 0 and mode == "eager" else {}
         timed = time_bucket({n: b for n, b in cands.items() if n not in local}, spec, phase, shape, device, mode,
                             reps)
         if (pruned or local) and timed["errors"]:  # a timed candidate failed: the pruned ones may have to serve
@@ -399,8 +395,12 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             _add_steps(steps, timed)
             timed = time_bucket({**cands, **{n: backends.get(n) for n in pruned}}, spec, phase, shape, device,
                                 mode, reps)
+            local = {}
+        for name in local:
+            pruned_near[name] = pruned_near.get(name, 0) + 1
         _add_steps(steps, timed)
-        buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}), **timed})
+        buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}),
+                        **({"pruned_near": sorted(local)} if local else {}), **timed})
         if level == 0 and coarse is not None and not ragged:  # pruning reads the uniform coarse grid only
             coarse.append(timed)
             near_keys.append((key, timed))
@@ -433,6 +433,19 @@ def _add_steps(steps: dict[str, float], timed: dict) -> None:
     """Move a time_bucket result's per-step seconds into the phase's sums."""
     for step, seconds in timed.pop("wall_s", {}).items():
         steps[step] = steps.get(step, 0.0) + seconds
+
+
+def near_coarse(coarse: list[tuple[tuple, dict]], key: tuple) -> list[dict]:
+    """The time_bucket results of the ``coarse`` (key, result) buckets within NEAR of ``key`` on every axis, where
+    they bracket it (on every axis one at or below its value and one at or above): else none. Evidence from one side
+    of an axis is an extrapolation: extend's coarse grid steps 16-32x per axis, so most of its finer buckets have a
+    coarse bucket within NEAR on one side only, and a winner that turns between two coarse values would be pruned
+    where it wins."""
+    near = [(k, timed) for k, timed in coarse
+            if all(max(a, 1) / max(b, 1) <= NEAR and max(b, 1) / max(a, 1) <= NEAR for a, b in zip(k, key))]
+    if not all(any(k[i] <= x for k, _ in near) and any(k[i] >= x for k, _ in near) for i, x in enumerate(key)):
+        return []
+    return [timed for _, timed in near]
 
 
 def prune(coarse: list[dict], names: list[str], factor: float = PRUNE) -> dict[str, float]:

@@ -1,0 +1,99 @@
+"""Eager local pruning (timing.measure, "pruned_near") on the real GPU grids, with fake timings: what it may skip,
+and what the dispatch table built from the result then serves."""
+import torch
+
+import attnsel.backends as backends_mod
+from attnsel import AttentionSpec
+from attnsel.selection import build_table
+from attnsel.validate import extend_grid as ext_grid
+from attnsel.validate import timing
+
+CUDA = torch.device("cuda")  # only its type is read by the grids: nothing is allocated
+SPEC = AttentionSpec(32, 8, 128, "bf16", 16)
+
+
+def _measure(monkeypatch, grid, phase, speed, names=("fa3", "mtd")):
+    """measure() over ``grid`` with time_bucket replaced by ``speed(name, key) -> us``; also (key, names timed)."""
+    seen = []
+
+    def fake_bucket(cands, spec, phase_, shape, device, mode, reps):
+        key = tuple(shape)
+        seen.append((key, sorted(cands)))
+        us = {n: speed(n, key) for n in cands}
+        return {"us": us, "spread": {n: 0.0 for n in us}, "errors": {}}
+
+    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    out = timing.measure(SPEC, phase, list(names), torch.device("cpu"), "eager", reps=1, grid=grid)
+    return out, dict(seen)
+
+
+def test_extend_keeps_a_winner_that_turns_between_coarse_query_lengths(monkeypatch):
+    """Extend's coarse grid steps 16-32x per axis (queries 2, 64, 1024), so most finer buckets have a nearby coarse
+    bucket on one side of an axis only: 16 queries sees 64 within 4x, not 2. A multi-token-decode kernel ("mtd")
+    fastest up to 16 queries and 1.4x behind from 64 on must still be timed at 16 queries (where it wins), and the
+    table must serve it there and between 4 and 16 queries: pruning extrapolated from one side is no evidence."""
+    ratio = {2: 0.7, 4: 0.8, 16: 0.9, 64: 1.4, 256: 2.0, 1024: 2.5}  # mtd's time over fa3's, by queries per request
+
+    def speed(name, key):
+        base = key[0] * key[1] * key[2] / 1e4 + 10.0
+        return base * (ratio[key[1]] if name == "mtd" else 1.0)
+
+    grid = ext_grid.extend_grid(SPEC, CUDA, None, "eager")
+    out, seen = _measure(monkeypatch, grid, "extend", speed)
+    wins = [k for k in seen if ratio[k[1]] < 1]
+    assert [k for k in wins if "mtd" not in seen[k]] == []  # the winner is timed wherever it wins
+    table = build_table(out, ["fa3", "mtd"])
+    assert [k for k in wins if table.backend_for(k) != "mtd"] == []
+    assert table.backend_for((1, 10, 1024)) == "mtd" and table.backend_for((16, 10, 16384)) == "mtd"
+    assert table.backend_for((16, 128, 16384)) == "fa3"
+
+
+def test_the_headline_backend_is_not_lost_to_local_pruning(monkeypatch):
+    """The table's default is the best single backend over the buckets (least geometric mean). A backend pruned near
+    a few finer buckets ("fi": 1.4x behind at 1-4 rows, fastest from 8 rows on, 1.5x ahead of FA3) is still the best
+    single one: it must not lose the headline to one timed everywhere ("tri", 1.25x behind the fastest everywhere)
+    merely because the finer buckets of 2 and 3 rows skipped it."""
+    from attnsel.validate import grid as bucket_grid
+
+    def speed(name, key):
+        base = key[0] * key[1] / 100 + 10.0
+        small = key[0] <= 4
+        return base * {"fi": 1.4 if small else 1.0, "fa3": 1.0 if small else 1.5, "tri": 1.25}[name]
+
+    grid = [(lvl, (b, c)) for lvl, b, c in bucket_grid.decode_grid(SPEC, CUDA, None, "eager")]
+    out, seen = _measure(monkeypatch, grid, "decode", speed, ("fa3", "fi", "tri"))
+    assert out["pruned_near"].get("fi") and not out["pruned_near"].get("tri")  # the premise
+    table = build_table(out, ["fa3", "fi", "tri"])
+    assert table.default == "fi", table.default
+
+
+def test_a_cached_bucket_whose_pruned_near_is_not_a_list_of_names_is_refused(monkeypatch):
+    """build_table reads a bucket's "pruned_near" as names: a hand-edited string would match by substring."""
+    from attnsel.cache import entry_problem
+
+    grid = [(0, (1, 1056)), (0, (4, 1056)), (0, (16, 1056)), (0, (64, 1056)), (2, (23, 1056))]
+    out, _ = _measure(monkeypatch, grid, "decode", lambda n, k: 10.0 if n == "fa3" or k[0] == 1 else 20.0)
+    assert out["buckets"][-1]["pruned_near"] == ["mtd"]
+    entry = {"kind": "dispatch", "status": "timed", "budget_s": 45.0, "measured": out}
+    assert entry_problem(entry) is None
+    out["buckets"][-1]["pruned_near"] = "mtd"
+    assert "pruned_near candidates that are not a list of names" in entry_problem(entry)
+
+
+def test_a_candidate_pruned_near_finer_buckets_says_why_it_has_no_time_there(monkeypatch):
+    """A valid candidate without a time in some bucket says why (as a failed or a pruned one does): its score is a
+    geometric mean over the buckets it was timed in, which leave out those where it was slow."""
+    from attnsel.selector import Candidate, _annotate
+    from attnsel.store import bucket_errors
+
+    grid = [(0, (1, 1056)), (0, (4, 1056)), (0, (16, 1056)), (0, (64, 1056)), (2, (23, 1056)), (2, (45, 1056))]
+    out, _ = _measure(monkeypatch, grid, "decode", lambda n, k: 10.0 if n == "fa3" or k[0] == 1 else 20.0)
+    assert out["pruned_near"] == {"mtd": 2}
+    found = {(n, "decode"): Candidate(n, "valid") for n in ("fa3", "mtd")}
+    table = build_table(out, ["fa3", "mtd"])
+    _annotate(found, "decode", ["fa3", "mtd"], table, bucket_errors(out), out["pruned_near"])
+    assert found[("fa3", "decode")].reason == ""
+    assert found[("mtd", "decode")].reason == ("not timed in 2 finer bucket(s): at least 1.30x the fastest in every "
+                                               "coarse bucket near them (its score covers the buckets it was timed in)")
+    assert found[("mtd", "decode")].timings_us == {"1x1056": 10.0, "4x1056": 20.0, "16x1056": 20.0, "64x1056": 20.0}
