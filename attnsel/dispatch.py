@@ -23,7 +23,8 @@ class Bucket:
     """One timed bucket of a dispatch table: its representative shape (``key``, on the table's axes), the backend
     chosen there, its time per call, and the runner-up. ``times_us``/``spread`` hold every timed candidate. ``host``:
     the host's speed while it was timed, its probe over the phase's reference (eager on CUDA; timing.host_probe and
-    timing.host_reference)."""
+    timing.host_reference). ``pruned_near``: candidates not timed here, at least timing.PRUNE times the fastest at
+    every coarse bucket around it (eager); lookups count each as timing.PRUNE times this bucket's fastest."""
 
     key: tuple[int, ...]
     label: str
@@ -34,6 +35,7 @@ class Bucket:
     times_us: dict[str, float]
     spread: dict[str, float]
     host: float | None = None
+    pruned_near: tuple[str, ...] = ()
 
     @property
     def ratio(self) -> float | None:
@@ -43,13 +45,14 @@ class Bucket:
     def to_json(self) -> dict:
         return {"key": list(self.key), "label": self.label, "backend": self.backend, "us": self.us,
                 "runner_up": self.runner_up, "runner_up_us": self.runner_up_us, "ratio": self.ratio,
-                "times_us": self.times_us, "spread": self.spread, "host": self.host}
+                "times_us": self.times_us, "spread": self.spread, "host": self.host,
+                **({"pruned_near": list(self.pruned_near)} if self.pruned_near else {})}
 
     @classmethod
     def from_json(cls, data: dict) -> "Bucket":
         return cls(tuple(data["key"]), data["label"], data["backend"], data["us"], data.get("runner_up"),
                    data.get("runner_up_us"), dict(data.get("times_us", {})), dict(data.get("spread", {})),
-                   data.get("host"))
+                   data.get("host"), tuple(data.get("pruned_near", ())))
 
 
 _MISSING = object()
@@ -125,6 +128,7 @@ class DispatchTable:
             times = {n: t for n, t in b.times_us.items() if isinstance(t, (int, float)) and t > 0}
             if times and by_point[points[b.key]] is b:
                 best = min(times.values())
+                times = {**{n: timing.PRUNE * best for n in b.pruned_near}, **times}
                 usable[points[b.key]] = times
                 slowdowns[points[b.key]] = {n: math.log(t / best) for n, t in times.items()}
         object.__setattr__(self, "_usable", usable)
@@ -403,12 +407,14 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
         axes = axes[:1]
         if not rows:
             return None
-    buckets = tuple(_make_bucket(key, label, times, spread, order, host) for key, label, times, spread, host in rows)
+    near = {tuple(b["key"]): tuple(n for n in b.get("pruned_near", ()) if n in usable)
+            for b in uniform} if mode == "eager" else {}
+    buckets = tuple(dataclasses.replace(_make_bucket(key, label, times, spread, order, host),
+                                        pruned_near=near.get(key, ()))
+                    for key, label, times, spread, host in rows)
     # eager: a candidate pruned near a finer bucket (timing.near_coarse) counts there as timing.PRUNE times the
     # bucket's fastest, the least it was nearby: it stays a contender for the headline, which it may well be
-    near = {tuple(b["key"]): set(b.get("pruned_near", ())) for b in uniform} if mode == "eager" else {}
-    est = [{**{n: timing.PRUNE * min(b.times_us.values()) for n in near.get(b.key, ())}, **b.times_us}
-           for b in buckets]
+    est = [{**{n: timing.PRUNE * min(b.times_us.values()) for n in b.pruned_near}, **b.times_us} for b in buckets]
     everywhere = [n for n in order if all(n in t for t in est)]
     if everywhere:
         default = pick({n: _geomean([t[n] for t in est]) for n in everywhere}, order)

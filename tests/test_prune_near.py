@@ -97,3 +97,23 @@ def test_a_candidate_pruned_near_finer_buckets_says_why_it_has_no_time_there(mon
     assert found[("mtd", "decode")].reason == ("not timed in 2 finer bucket(s): at least 1.30x the fastest in every "
                                                "coarse bucket near them (its score covers the buckets it was timed in)")
     assert found[("mtd", "decode")].timings_us == {"1x1056": 10.0, "4x1056": 20.0, "16x1056": 20.0, "64x1056": 20.0}
+
+
+def test_interpolation_counts_a_candidate_pruned_at_a_corner_as_prune_times_its_fastest():
+    """A candidate left out of a finer bucket (pruned near it) is, for the lookup, PRUNE times that bucket's fastest
+    there, the least it was at the coarse buckets around: between that bucket and one where it is 2x ahead it must
+    still win, not drop out of the interpolation because one corner lacks its time. The estimate survives the
+    table's JSON round trip (the result cache)."""
+    import json
+
+    from attnsel.dispatch import DispatchTable
+
+    measured = {"phase": "decode", "mode": "eager", "axes": ["batch", "context"], "grid_version": 1,
+                "buckets": [{"key": [4, 1024], "label": "4x1024", "us": {"x": 10.0, "y": 20.0}},
+                            {"key": [8, 1024], "label": "8x1024", "us": {"y": 10.0}, "pruned_near": ["x"]}]}
+    table = build_table(measured, ["y", "x"])
+    assert table.buckets[1].pruned_near == ("x",) and table.buckets[1].backend == "y"
+    assert table.backend_for((5, 1024)) == "x"  # x: 0.32 log 1.3 = 0.08, y: 0.68 log 2 = 0.47
+    assert table.backend_for((8, 1024)) == "y"
+    again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again == table and again.backend_for((5, 1024)) == "x"
