@@ -320,16 +320,18 @@ def _pick(row: dict, strategy: str) -> str:
 
 
 def untimed_extend(spec: AttentionSpec, mode: str) -> dict:
-    """{"extend": name} for a selection that does not time extend: torch in eager mode (the reference, quickest to
-    validate); under CUDA graphs the first backend in extend's default order that can serve the spec and is not
-    stale on replay (torch's extend plan gathers rows on the host). {} where none can (extend stays automatic)."""
+    """select()'s arguments for a selection that does not time extend: one candidate, {"extend_priority": [name]}
+    (one valid candidate is not timed; one that fails validation leaves extend unserved, not the selection failed):
+    torch in eager mode (the reference, quickest to validate); under CUDA graphs the first backend in extend's
+    default order that can serve the spec and is not stale on replay (torch's extend plan gathers rows on the host).
+    {} where none can (extend stays automatic)."""
     order = ["torch"] if mode == "eager" else DEFAULT_PRIORITY["extend"]
     for name in order:
         backend = backends.get(name)
         if mode == "graph" and backends.graph_stale_reason(backend, "extend"):
             continue
         if backends.availability(backend, spec, "extend")[0] is None:
-            return {"extend": name}
+            return {"extend_priority": [name]}
     return {}
 
 
@@ -337,10 +339,9 @@ def select_modes(spec: AttentionSpec, modes: list[str], device: torch.device, re
                  phases: tuple[str, ...] = ("prefill", "decode", "extend")) -> dict:
     """mode -> the Selection of ``spec`` (a mode whose selection failed is missing, with a warning); appends each
     selection's record (choices, cache, wall time, stats, dispatch tables) to ``records``. Without "extend" in
-    ``phases`` the selection serves extend with one named backend (validated, not timed: ``untimed_extend``):
-    prefill's and decode's tables are the same (each phase's timing has its own share of the budget, and theirs end
-    before it runs out; see the results file), and the selection takes about half the time. Where none can serve
-    extend (e.g. a non-causal spec), extend stays automatic: named, it would fail the whole selection."""
+    ``phases`` the selection considers one extend candidate (validated, not timed: ``untimed_extend``): prefill's
+    and decode's tables are the same (each phase's timing has its own share of the budget, and theirs end before it
+    runs out; see the results file), and the selection takes about half the time."""
     choices = {}
     for mode in modes:
         t_sel = time.perf_counter()

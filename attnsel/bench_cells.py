@@ -49,7 +49,7 @@ DECODE_BATCH_MAX = 512
 DECODE_CTX_MIN, DECODE_CTX_MAX = 16, 32768
 DECODE_TOKEN_CAP = 1 << 20
 CTX_MEDIAN, CTX_SIGMA = 1024.0, 1.5  # a batch's (median) context
-ROW_SIGMA = 1.0  # a ragged batch's rows around its median
+ROW_SIGMA = grid.RAGGED_ROW_SIGMA  # a ragged batch's rows around its median: one traffic model, timed and drawn
 RAGGED_SHARE = 0.5
 # vLLM's default CUDA-graph batch sizes (up to its largest default capture size)
 CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, DECODE_BATCH_MAX + 1, 16))

@@ -391,7 +391,8 @@ def test_a_selection_for_prefill_and_decode_cells_does_not_time_extend(monkeypat
     asked = []
 
     def fake_select(spec, **kwargs):
-        asked.append(kwargs.get("extend", "auto"))
+        assert kwargs.get("extend", "auto") == "auto"  # never named: a failed validation would fail the selection
+        asked.append((kwargs.get("extend_priority") or ["auto"])[0])
         raise RuntimeError("no GPU here")
 
     monkeypatch.setattr(bench, "select", fake_select)
@@ -420,7 +421,8 @@ def test_a_graph_mode_selection_for_prefill_and_decode_names_a_graph_safe_extend
     asked = []
 
     def fake_select(spec, **kwargs):
-        asked.append((kwargs["mode"], kwargs.get("extend", "auto")))
+        assert kwargs.get("extend", "auto") == "auto"
+        asked.append((kwargs["mode"], (kwargs.get("extend_priority") or ["auto"])[0]))
         raise RuntimeError("no GPU here")
 
     monkeypatch.setattr(bench, "select", fake_select)
@@ -432,3 +434,29 @@ def test_a_graph_mode_selection_for_prefill_and_decode_names_a_graph_safe_extend
     assert graph_pick != "torch" and bench.backends.graph_stale_reason(bench.backends.get(graph_pick), "extend") is None
     assert graph_pick == next(n for n in bench.DEFAULT_PRIORITY["extend"]
                               if bench.backends.graph_stale_reason(bench.backends.get(n), "extend") is None)
+
+
+def test_an_untimed_extend_backend_that_fails_validation_leaves_extend_unserved_not_the_selection(
+        monkeypatch, caplog, tmp_path):
+    """The held-out bench's one extend candidate is a priority list of one, not an explicit name: when it fails
+    validation (a graph-mode capture check, a kernel library broken for the spec) prefill's and decode's selection
+    must still come back for their cells; named, the whole selection failed and the spec had no selected rows."""
+    from attnsel.validate import runner, timing
+
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    fake_worker(monkeypatch, {}, [])
+    real = runner.run_tasks
+
+    def broken_extend(spec, tasks, **kwargs):
+        out, stats = real(spec, tasks, **kwargs)
+        for key in out:
+            if key[1] == "extend" and key[0] != timing.TIMING_TASK:
+                out[key] = {"status": "rejected", "reason": "wrong output (injected)", "time_s": 0.1}
+        return out, stats
+
+    monkeypatch.setattr(runner, "run_tasks", broken_extend)
+    spec = AttentionSpec(4, 2, 64, "fp16")
+    got = bench.select_modes(spec, ["eager"], "cpu", [], ("prefill", "decode"))
+    assert "failed" not in caplog.text
+    assert list(got) == ["eager"] and not got["eager"].extend
+    assert got["eager"].prefill_backend_for(2, 128, 64) in ("torch", "triton")

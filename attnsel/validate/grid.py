@@ -45,7 +45,7 @@ DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
 # FlashInfer's are not; see the results file).
 RAGGED_DECODE_BATCHES = (8, 32, 128, 512)
 RAGGED_DECODE_MEANS = (256, 1024, 4096)
-RAGGED_ROW_SIGMA = 1.0  # log-normal sigma of a batch's rows around its median (bench_cells draws held-out batches so)
+RAGGED_ROW_SIGMA = 1.0  # log-normal sigma of a batch's rows around its median (bench_cells draws held-out ones so)
 RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
 # Wave edges (eager and graph decode): a kernel that runs one thread block per (row, KV head) and does not split
 # the context (FA3 once the blocks fill 0.8 of the SMs) takes ceil(batch x kv_heads / SMs) rounds, so its time steps
