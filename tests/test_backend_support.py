@@ -177,3 +177,15 @@ def test_rows_without_keys_are_the_first_queries_of_sequences_with_more_queries_
     assert rows.dtype == torch.int64 and rows.tolist() == expected
     assert rows_without_keys(cu([3, 1, 4]), cu([3, 5, 4])) is None
     assert rows_without_keys(cu([]), cu([])) is None
+
+
+def test_the_flashinfer_template_variants_say_why_they_need_hopper():
+    """Below Hopper FlashInfer's auto backend runs the FA2 template (flashinfer_fa2 adds nothing there), while its
+    FA3 template cannot run at all: each variant's reason says its own case."""
+    from attnsel.backends import get
+
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    fa2 = get("flashinfer_fa2").unsupported(spec, "prefill", device=torch.device("cpu"))
+    fa3 = get("flashinfer_fa3").unsupported(spec, "decode", device=torch.device("cpu"))
+    assert "below Hopper this variant is what flashinfer runs" in fa2
+    assert "FlashInfer's FA3 template runs on Hopper only" in fa3 and "is what flashinfer runs" not in fa3

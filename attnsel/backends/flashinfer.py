@@ -227,7 +227,9 @@ class FlashInferBackend:
                    else "flashinfer is not installed (pip install flashinfer-python)"]
         if self.hopper_only:
             need = capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9, device)
-            reasons.append(need and f"{need}: below Hopper this variant is what {self.same_as} runs")
+            why = (f"below Hopper this variant is what {self.same_as} runs" if self.prefill_template == "fa2"
+                   else "FlashInfer's FA3 template runs on Hopper only")
+            reasons.append(need and f"{need}: {why}")
         else:
             reasons.append(capability_reason(">= 8.0", lambda cap: cap >= (8, 0), device))
         reasons.append(dtype_reason(spec))

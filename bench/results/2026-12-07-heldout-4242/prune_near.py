@@ -1,7 +1,7 @@
 """Replay eager pruning near finer buckets on recorded tables (every candidate timed on every bucket): which buckets'
 winners it would have left untimed, and the share of timed candidate-time it saves."""
 import json, sys
-from attnsel.validate.timing import prune, NEAR
+from attnsel.validate.timing import near_coarse, prune
 from attnsel.validate import grid as G
 for f in sys.argv[1:]:
     d = json.load(open(f))
@@ -27,7 +27,7 @@ for f in sys.argv[1:]:
                 total += sum(us.values())
                 if level(key) == 0:
                     continue
-                near = [c for k, c in coarse if all(max(a,1)/max(x,1) <= NEAR and max(x,1)/max(a,1) <= NEAR for a, x in zip(k, key))]
+                near = near_coarse(coarse, key)
                 loc = prune(near, list(us))
                 saved += sum(us[n] for n in loc)
                 best = min(us, key=us.get)
