@@ -16,7 +16,8 @@ the metadata tensors (cu_seqlens, or cache_seqlens and page_table) are the same 
 counter and the host sizes are equal, so the layers of one step share one plan. Checks that depend only on a
 call's dtypes, head shapes, options and devices run once per combination of them (a plain decode call; calls that
 write new tokens or read an fp8 cache are checked in full every time); the metadata's dtypes and shapes are checked
-when a plan is made. Rewriting metadata in a way torch does
+when a plan is made, and outside capture its values are read once per plan (offsets against q's and k's rows and
+max_seqlen_q/k; lengths against the page table): a ValueError, not a kernel reading or writing past a tensor. Rewriting metadata in a way torch does
 not count needs ``reset()``: numpy views, DLPack, ``.data`` (also one that changes a dtype: the metadata's dtypes
 are checked when a plan is made), ``untyped_storage()`` copies, Triton kernels and custom
 ops that write into them, and CUDA graph replays (a graph's writes move no version counter). Metadata tensors made
@@ -60,6 +61,7 @@ from .flash_checks import (
     unit_stride,
     unsupported,
     varlen_masks,
+    varlen_offsets,
 )
 from .flash_masks import UnsupportedArgument
 from .graph_selection import GRAPH, check_may_select
@@ -300,6 +302,8 @@ class FlashAttention:
                     raise ValueError(f"attnsel.flash_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be on q's device "
                                      f"{q.device}, got {cu_seqlens_q.device}/{cu_seqlens_k.device}")
                 versions = self._versions(cu_seqlens_q, cu_seqlens_k)
+                if not capturing:  # one host read per plan: the offsets every kernel trusts
+                    varlen_offsets(cu_seqlens_q, cu_seqlens_k, *host)
                 run = self._store_plan(slot, cu_seqlens_q, cu_seqlens_k, versions, host, capturing,
                                        sel.plan_prefill(cu_seqlens_q, cu_seqlens_k, host[0], host[1], total_q=host[2],
                                                         total_k=host[3], checked=False))

@@ -182,3 +182,34 @@ def cache_scales(func: str, q, k_cache, k, v, k_descale, v_descale) -> dict:
         raise UnsupportedArgument(f"attnsel.{func}: {given}: descale factors apply only to a torch.float8_e4m3fn "
                                   f"cache; this cache is {k_cache.dtype} (leave them None)")
     return {}
+
+
+def varlen_offsets(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                   rows_q: int, rows_k: int) -> None:
+    """flash_attn_varlen_func's offsets against q's and k's rows and the max_seqlen bounds: one host read per plan
+    (as flash_attn_with_kvcache reads its lengths). A kernel trusts them: Triton's grid covers max_seqlen_q rows of
+    each sequence (rows past it stay unwritten), offsets past q's rows make it write past out. ValueError naming the
+    argument and what is allowed (dtypes and devices checked before; other shapes are the plan's errors)."""
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        return
+    parts = []
+    for cu in (cu_seqlens_q, cu_seqlens_k):
+        steps = cu[1:] - cu[:-1]
+        parts += [cu[0], cu[-1], steps.min(), steps.argmin(), steps.max(), steps.argmax()]
+    got = torch.stack([p.long() for p in parts]).tolist()
+    func = "attnsel.flash_attn_varlen_func"
+    for name, (first, last, low, at_low, high, at_high), bound_name, bound, rows, holder in (
+            ("cu_seqlens_q", got[:6], "max_seqlen_q", max_seqlen_q, rows_q, "q holds"),
+            ("cu_seqlens_k", got[6:], "max_seqlen_k", max_seqlen_k, rows_k, "k and v hold")):
+        if first < 0:
+            raise ValueError(f"{func}: {name}[0] is {first}; allowed: offsets >= 0 (0: the first sequence starts at "
+                             "the first row)")
+        if low < 0:
+            raise ValueError(f"{func}: {name} runs backwards: sequence {at_low} has {low} tokens; allowed: "
+                             "non-decreasing offsets")
+        if high > bound:
+            raise ValueError(f"{func}: {bound_name}={bound} but sequence {at_high} has {high} tokens by {name}; "
+                             f"allowed: {bound_name} >= every sequence's tokens (an upper bound is fine)")
+        if last > rows:
+            raise ValueError(f"{func}: {name}[-1] is {last} but {holder} {rows} rows; allowed: {name}[-1] <= "
+                             f"{rows} (rows after it are padding)")
