@@ -196,11 +196,11 @@ def _read_and_check(call: ExtendCall, cu_q, cached, seq_lens, cu_new, page_table
     """One host read of the lengths and offsets; raises where a kernel would read, or the append write, outside a
     sequence's pages or q's rows. Returns (the longest context, the batch's context tokens) for the dispatch."""
     q_lens = cu_q[1:] - cu_q[:-1]
-    parts = [cached.min(), seq_lens.max(), seq_lens.long().sum(), q_lens.min(), q_lens.max(), cu_q[-1]]
+    parts = [cached.min(), seq_lens.max(), seq_lens.long().sum(), q_lens.min(), q_lens.max(), cu_q[-1], cu_q[0]]
     if cu_new is not None:
         parts += [(cu_new[1:] - cu_new[:-1]).min(), cu_new[0], cu_new[-1]]
     got = torch.stack([p.long() for p in parts]).tolist()
-    low, high, total, q_min, q_max, q_end = got[:6]
+    low, high, total, q_min, q_max, q_end, q_start = got[:7]
     capacity = page_table.shape[1] * page_size
     plus = " + new tokens" if cu_new is not None else ""
     if low < 0:
@@ -213,11 +213,14 @@ def _read_and_check(call: ExtendCall, cu_q, cached, seq_lens, cu_new, page_table
         raise ValueError(f"attnsel.{func}: cu_seqlens_q gives a sequence {q_min if q_min < 0 else q_max} queries "
                          f"(max_seqlen_q={call.max_q}); allowed: non-decreasing offsets, each sequence's queries "
                          "<= max_seqlen_q")
+    if q_start < 0:  # a kernel would read q and write out before their first row
+        raise ValueError(f"attnsel.{func}: cu_seqlens_q[0] is {q_start} (q's rows start at 0); allowed: "
+                         "non-negative, non-decreasing offsets (0 first)")
     if q_end > call.q.shape[0]:
         raise ValueError(f"attnsel.{func}: cu_seqlens_q[-1] is {q_end} but q holds {call.q.shape[0]} rows; "
                          "allowed: cu_seqlens_q[-1] <= q.shape[0] (rows after it are padding)")
     if cu_new is not None:
-        new_min, new_start, new_end = got[6:]
+        new_min, new_start, new_end = got[7:]
         if new_min < 0 or new_start != 0 or new_end != call.k.shape[0]:
             raise ValueError(f"attnsel.{func}: cu_seqlens_k_new must start at 0, not decrease and end at k's "
                              f"{call.k.shape[0]} rows; got start {new_start}, end {new_end}, smallest step "
