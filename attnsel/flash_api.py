@@ -17,10 +17,10 @@ counter and the host sizes are equal, so the layers of one step share one plan. 
 call's dtypes, head shapes, options and devices run once per combination of them (a plain decode call; calls that
 write new tokens or read an fp8 cache are checked in full every time); the metadata's dtypes and shapes are checked
 when a plan is made, and outside capture its values are read once per plan (offsets against q's and k's rows and
-max_seqlen_q/k; lengths against the page table): a ValueError, not a kernel reading or writing past a tensor. Rewriting metadata in a way torch does
-not count needs ``reset()``: numpy views, DLPack, ``.data`` (also one that changes a dtype: the metadata's dtypes
-are checked when a plan is made), ``untyped_storage()`` copies, Triton kernels and custom
-ops that write into them, and CUDA graph replays (a graph's writes move no version counter). Metadata tensors made
+max_seqlen_q/k; lengths against the page table): a ValueError, not a kernel reading or writing past a tensor.
+Rewriting metadata in a way torch does not count needs ``reset()``: numpy views, DLPack, ``.data`` (also one that
+changes a dtype: the metadata's dtypes are checked when a plan is made), ``untyped_storage()`` copies, Triton
+kernels and custom ops that write into them, and CUDA graph replays (a graph's writes move no version counter). Metadata tensors made
 under ``torch.inference_mode()`` have no version counter: their plans are never reused (one plan per call, logged
 once); allocate them outside inference mode to share a plan across layers.
 
