@@ -20,9 +20,9 @@ when a plan is made, and outside capture its values are read once per plan (offs
 max_seqlen_q/k; lengths against the page table): a ValueError, not a kernel reading or writing past a tensor.
 Rewriting metadata in a way torch does not count needs ``reset()``: numpy views, DLPack, ``.data`` (also one that
 changes a dtype: the metadata's dtypes are checked when a plan is made), ``untyped_storage()`` copies, Triton
-kernels and custom ops that write into them, and CUDA graph replays (a graph's writes move no version counter). Metadata tensors made
-under ``torch.inference_mode()`` have no version counter: their plans are never reused (one plan per call, logged
-once); allocate them outside inference mode to share a plan across layers.
+kernels and custom ops that write into them, and CUDA graph replays (a graph's writes move no version counter).
+Metadata tensors made under ``torch.inference_mode()`` have no version counter: their plans are never reused (one
+plan per call, logged once); allocate them outside inference mode to share a plan across layers.
 
 CUDA graphs: the first call of a spec selects (outside capture). During capture every call plans afresh (a plan made
 outside the capture would replay stale device metadata) and plans get host bounds instead of device values
