@@ -61,6 +61,7 @@ from .flash_checks import (
     unit_stride,
     unsupported,
     varlen_masks,
+    speed_hints,
     varlen_offsets,
 )
 from .flash_masks import UnsupportedArgument
@@ -249,7 +250,8 @@ class FlashAttention:
         cu_seqlens_q/k int32 ``[batch + 1]`` on q's device, max_seqlen_q/k host ints (upper bounds are fine).
         Causal masking is bottom-right aligned (sequences with fewer queries than keys). Returns out
         ``[total_q, H, D]``. Not served (UnsupportedArgument when not default): seqused_q/k, qv, q/k/v_descale,
-        attention_chunk, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs. With ``page_table``
+        attention_chunk, deterministic, sm_margin, return_attn_probs. num_splits and pack_gqa are speed hints: checked,
+        ignored (flash_checks.speed_hints). With ``page_table``
         (FA3's paged varlen form) k/v are paged caches and ``seqused_k`` their lengths: ``flash_extend``."""
         if page_table is not None:
             return self._extend.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -257,14 +259,14 @@ class FlashAttention:
                                              v_descale, window_size, attention_chunk, softcap, num_splits, pack_gqa,
                                              deterministic, sm_margin, return_attn_probs, sinks, page_table)
         try:
+            speed_hints("flash_attn_varlen_func", num_splits, pack_gqa)
             if (seqused_q is not None or seqused_k is not None or qv is not None or q_descale is not None
-                    or k_descale is not None or v_descale is not None or attention_chunk != 0 or num_splits != 1
-                    or pack_gqa is not None or deterministic or sm_margin != 0 or return_attn_probs):
+                    or k_descale is not None or v_descale is not None or attention_chunk != 0
+                    or deterministic or sm_margin != 0 or return_attn_probs):
                 given = dict(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
                              v_descale=v_descale)
                 given = {n: x for n, x in given.items() if x is not None}
                 given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0),
-                                                   ("num_splits", num_splits, 1), ("pack_gqa", pack_gqa, None),
                                                    ("deterministic", deterministic, False), ("sm_margin", sm_margin, 0),
                                                    ("return_attn_probs", return_attn_probs, False)) if x != d})
                 unsupported("flash_attn_varlen_func", given)
@@ -331,19 +333,18 @@ class FlashAttention:
         effect with one query token. More than one query or new token per sequence, and the varlen form
         (cu_seqlens_q, cu_seqlens_k_new): ``flash_extend``. Not served (UnsupportedArgument when not default): qv,
         rotary_cos/sin/seqlens, cache_batch_idx, cache_leftpad, q_descale, attention_chunk, rotary_interleaved,
-        scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse; a cache without page_table."""
+        sm_margin, return_softmax_lse; a cache without page_table. scheduler_metadata, num_splits and pack_gqa are
+        speed hints: checked, ignored (flash_checks.speed_hints)."""
         try:
+            speed_hints("flash_attn_with_kvcache", num_splits, pack_gqa, scheduler_metadata)
             if (qv is not None or rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
                     or cache_leftpad is not None or rotary_seqlens is not None or q_descale is not None
-                    or attention_chunk != 0 or not rotary_interleaved or scheduler_metadata is not None
-                    or num_splits != 0 or pack_gqa is not None or sm_margin != 0 or return_softmax_lse):
+                    or attention_chunk != 0 or not rotary_interleaved or sm_margin != 0 or return_softmax_lse):
                 given = dict(qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                             cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
-                             scheduler_metadata=scheduler_metadata)
+                             cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens, q_descale=q_descale)
                 given = {n: x for n, x in given.items() if x is not None}
                 given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0),
                                                    ("rotary_interleaved", rotary_interleaved, True),
-                                                   ("num_splits", num_splits, 0), ("pack_gqa", pack_gqa, None),
                                                    ("sm_margin", sm_margin, 0),
                                                    ("return_softmax_lse", return_softmax_lse, False)) if x != d})
                 unsupported("flash_attn_with_kvcache", given)

@@ -19,6 +19,20 @@ def unsupported(func: str, given: dict) -> None:
     raise UnsupportedArgument(f"attnsel.{func}: {names}: not supported by attnsel (leave at FlashAttention's default)")
 
 
+def speed_hints(func: str, num_splits, pack_gqa, scheduler_metadata=None) -> None:
+    """FA3's speed hints (num_splits, pack_gqa, scheduler_metadata) choose only how FA3 parallelises, which the
+    dispatch decides itself: checked, then ignored. InvalidArgument naming a value FA3 would not take either."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise InvalidArgument(f"attnsel.{func}: num_splits={show(num_splits)}: allowed: an int >= 0 (a speed hint, "
+                              "ignored: attnsel's dispatch chooses the split)")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise InvalidArgument(f"attnsel.{func}: pack_gqa={show(pack_gqa)}: allowed: None, True or False (a speed "
+                              "hint, ignored)")
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        raise InvalidArgument(f"attnsel.{func}: scheduler_metadata={show(scheduler_metadata)}: allowed: None or "
+                              "FA3's scheduler tensor (a speed hint, ignored)")
+
+
 def show(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)} {value.dtype}>"

@@ -31,7 +31,7 @@ import torch
 
 from . import kv_append
 from .errors import InvalidArgument
-from .flash_checks import unsupported
+from .flash_checks import speed_hints, unsupported
 from .flash_extend_checks import KVCACHE, VARLEN, ExtendCall, extend_inputs, host_bound
 from .graph_selection import GRAPH
 
@@ -82,8 +82,9 @@ class ExtendCalls:
         """flash_attn_varlen_func with a page_table: k/v are the paged caches, seqused_k the lengths."""
         func = "flash_attn_varlen_func"
         given = {n: x for n, x in (("seqused_q", seqused_q), ("qv", qv), ("q_descale", q_descale)) if x is not None}
-        given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0), ("num_splits", num_splits, 1),
-                                           ("pack_gqa", pack_gqa, None), ("deterministic", deterministic, False),
+        speed_hints(func, num_splits, pack_gqa)
+        given.update({n: x for n, x, d in (("attention_chunk", attention_chunk, 0),
+                                           ("deterministic", deterministic, False),
                                            ("sm_margin", sm_margin, 0), ("return_attn_probs", return_attn_probs,
                                                                          False)) if x != d})
         if given:

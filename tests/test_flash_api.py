@@ -276,13 +276,12 @@ def test_a_window_size_that_is_not_a_pair_of_ints_is_named(monkeypatch, window):
 
 @pytest.mark.parametrize("func,kwargs,name", [
     ("varlen", {"qv": torch.zeros(1)}, "qv"),
-    ("varlen", {"num_splits": 2}, "num_splits=2"),
     ("varlen", {"return_attn_probs": True}, "return_attn_probs=True"),
     ("varlen", {"seqused_k": torch.zeros(1)}, "seqused_k"),
     ("varlen", {"window_size": (4, 4), "causal": False}, "window_size=(4, 4) with causal=False: not supported by "
                                                          "attnsel; allowed: (-1, -1) (no window), or (left, 0)"),
     ("kvcache", {"rotary_cos": torch.zeros(1)}, "rotary_cos"),
-    ("kvcache", {"scheduler_metadata": torch.zeros(1)}, "scheduler_metadata"),
+    ("kvcache", {"rotary_seqlens": torch.zeros(1)}, "rotary_seqlens"),
     ("kvcache", {"return_softmax_lse": True}, "return_softmax_lse=True"),
     ("kvcache", {"page_table": None}, "page_table=None (a contiguous"),
     ("kvcache", {"k_descale": torch.ones(1)}, "k_descale"),
@@ -954,3 +953,38 @@ def test_the_first_call_of_a_kind_says_on_stderr_what_it_is_doing(capfd, tmp_pat
     assert str(tmp_path) in err and "once per kind of call" in err
     fa.flash_attn_varlen_func(q, k, k.clone(), cu, cu, 5, 5, causal=True)
     assert "choosing" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("func", ["varlen", "varlen_paged", "kvcache"])
+def test_fa3_speed_hints_engines_pass_are_accepted_and_change_nothing(monkeypatch, func):
+    """vLLM passes num_splits=0 to flash_attn_varlen_func (FA3's default there is 1), SGLang pack_gqa and
+    scheduler_metadata: they only choose how FA3 parallelises, which attnsel's dispatch decides itself. They are
+    checked (a wrong type or a negative split count is named) and ignored: the output is the call's without them."""
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_EXTEND_BACKEND", "torch")
+    hints = {"num_splits": 0, "pack_gqa": True}
+    torch.manual_seed(0)
+    if func == "varlen":
+        q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 2, 1, 8, torch.float32)
+        call = lambda **kw: attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, **kw)  # noqa: E731
+    else:
+        kc, vc = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)
+        table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+        lens = torch.tensor([6, 3], dtype=torch.int32)
+        if func == "varlen_paged":
+            q = torch.randn(3, 2, 8)
+            cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
+            call = lambda **kw: attnsel.flash_attn_varlen_func(  # noqa: E731
+                q, kc, vc, cu_q, None, 2, None, seqused_k=lens, page_table=table, causal=True, **kw)
+        else:
+            q = torch.randn(2, 1, 2, 8)
+            hints["scheduler_metadata"] = torch.zeros(4, dtype=torch.int32)
+            call = lambda **kw: attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,  # noqa: E731
+                                                                causal=True, **kw)
+    assert torch.equal(call(**hints), call())
+    for bad, message in (({"num_splits": -1}, r"num_splits=-1: .*allowed: an int >= 0"),
+                         ({"num_splits": True}, r"num_splits=True: .*allowed: an int >= 0"),
+                         ({"pack_gqa": "yes"}, r"pack_gqa='yes': .*allowed: None, True or False")):
+        with pytest.raises(ValueError, match=message):
+            call(**bad)
