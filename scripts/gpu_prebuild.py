@@ -8,6 +8,8 @@ skipped, not an error.
 Usage (device): python3 scripts/gpu_prebuild.py flashinfer:bf16:decode flashinfer_cuda_cores:fp8_e4m3:decode
                 python3 scripts/gpu_prebuild.py --config examples/configs/gemma-3-1b.json --kind full_attention \
                     flashinfer:bf16:prefill
+                python3 scripts/gpu_prebuild.py --spec 32/8/64/fp16 flashinfer:bf16:prefill   (a --specs item of
+                    `attnsel bench`: its head_dim and dtype; KV bf16 then means the spec's own dtype)
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnsel.backends import get  # noqa: E402
+from attnsel.bench_args import parse_specs  # noqa: E402
+from attnsel.errors import InvalidArgument  # noqa: E402
 from attnsel.spec import AttentionSpec, layer_specs  # noqa: E402
 from tests.fixtures.feature_cases import decode_case, prefill_case  # noqa: E402
 
@@ -28,8 +32,16 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("modules", nargs="+", metavar="NAME:KV:PHASE")
 parser.add_argument("--config", help="a Hugging Face config.json: take the spec of one of its layer kinds")
 parser.add_argument("--kind", default="full_attention", help="the layer kind of --config (default full_attention)")
+parser.add_argument("--spec", help="Q/KV[/HEAD_DIM][/DTYPE] as `attnsel bench --specs` takes one (default 32/8)")
 args = parser.parse_args()
 base = AttentionSpec(32, 8, 128, "bf16", 16)
+if args.spec and args.config:
+    parser.error("--spec and --config both give the spec: pass one")
+if args.spec:
+    try:
+        (base,) = parse_specs(args.spec, None)
+    except (InvalidArgument, ValueError) as exc:
+        parser.error(f"--spec {args.spec}: {exc}")
 if args.config:
     kinds = {kind: spec for kind, spec, _ in layer_specs(args.config)}
     if args.kind not in kinds:
