@@ -213,6 +213,10 @@ def _dispatch_problem(entry: dict) -> str | None:
     if (not isinstance(pruned, dict) or not all(_number_or_none(r) and r is not None for r in pruned.values())
             or not isinstance(measured.get("skipped", []), list)):
         return "a dispatch entry whose pruned or skipped candidates are malformed (pruned: candidate -> ratio)"
+    near = measured.get("pruned_near", {})  # the selector's reasons read {candidate: finer buckets it skipped}
+    if not isinstance(near, dict) or not all(isinstance(n, str) and type(c) is int and c >= 0
+                                             for n, c in near.items()):
+        return "a dispatch entry whose pruned_near is not an object of candidate -> finer buckets skipped (an int)"
     if not _number_or_none(measured.get("wall_s")) or not _number_or_none(entry.get("budget_s")):
         return f"a dispatch entry with wall_s {measured.get('wall_s')!r} or budget_s {entry.get('budget_s')!r}"
     axes = len(measured["axes"])

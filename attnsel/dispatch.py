@@ -37,6 +37,12 @@ class Bucket:
     host: float | None = None
     pruned_near: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        near = self.pruned_near
+        if not isinstance(near, (list, tuple)) or not all(isinstance(n, str) for n in near):
+            raise ValueError(f"bucket {self.label}: pruned_near must be a list of candidate names, got {near!r}")
+        object.__setattr__(self, "pruned_near", tuple(near))  # a tuple: equal buckets compare equal
+
     @property
     def ratio(self) -> float | None:
         """Runner-up time over the chosen backend's time (>= 1 unless the tie band let priority decide)."""
@@ -52,7 +58,7 @@ class Bucket:
     def from_json(cls, data: dict) -> "Bucket":
         return cls(tuple(data["key"]), data["label"], data["backend"], data["us"], data.get("runner_up"),
                    data.get("runner_up_us"), dict(data.get("times_us", {})), dict(data.get("spread", {})),
-                   data.get("host"), tuple(data.get("pruned_near", ())))
+                   data.get("host"), data.get("pruned_near", ()))
 
 
 _MISSING = object()
@@ -135,8 +141,9 @@ class DispatchTable:
         object.__setattr__(self, "_slowdowns", slowdowns)
         object.__setattr__(self, "_picks", {})
         # candidates in the order the tables were built with (bucket winners first): the last tie-break
-        order = list(dict.fromkeys([b.backend for b in self.buckets] + sorted({n for b in self.buckets
-                                                                              for n in b.times_us})))
+        # (a candidate only pruned near some buckets takes part in their lookups too)
+        named = {n for b in self.buckets for n in (*b.times_us, *b.pruned_near)}
+        order = list(dict.fromkeys([b.backend for b in self.buckets] + sorted(named)))
         object.__setattr__(self, "_order", order)
 
     def _check_key(self, key: tuple[int, ...]) -> None:
@@ -372,7 +379,9 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     order = [n for n in order if n in usable]
     phase, mode = measured["phase"], measured["mode"]
     uniform = [b for b in measured["buckets"] if not b.get("ragged")]
-    ragged = [{k: v for k, v in b.items() if k != "ragged"} for b in measured["buckets"] if b.get("ragged")]
+    # ragged buckets are timed with every candidate: nothing was pruned near them
+    ragged = [{k: v for k, v in b.items() if k not in ("ragged", "pruned_near")} for b in measured["buckets"]
+              if b.get("ragged")]
     if ragged and phase == "decode" and mode == "eager":  # the ragged buckets' own table (graph mode: none)
         sub = build_table({**measured, "buckets": ragged, "pruned": {}, "wall_s": None,
                            "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")]},
@@ -410,7 +419,7 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     near = {tuple(b["key"]): tuple(n for n in b.get("pruned_near", ()) if n in usable)
             for b in uniform} if mode == "eager" else {}
     buckets = tuple(dataclasses.replace(_make_bucket(key, label, times, spread, order, host),
-                                        pruned_near=near.get(key, ()))
+                                        pruned_near=tuple(n for n in near.get(key, ()) if n not in times))
                     for key, label, times, spread, host in rows)
     # eager: a candidate pruned near a finer bucket (timing.near_coarse) counts there as timing.PRUNE times the
     # bucket's fastest, the least it was nearby: it stays a contender for the headline, which it may well be

@@ -1,5 +1,6 @@
 """Eager local pruning (timing.measure, "pruned_near") on the real GPU grids, with fake timings: what it may skip,
 and what the dispatch table built from the result then serves."""
+import pytest
 import torch
 
 import attnsel.backends as backends_mod
@@ -117,3 +118,67 @@ def test_interpolation_counts_a_candidate_pruned_at_a_corner_as_prune_times_its_
     assert table.backend_for((8, 1024)) == "y"
     again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
     assert again == table and again.backend_for((5, 1024)) == "x"
+
+
+def test_a_cached_entry_whose_pruned_near_counts_are_not_counts_is_refused(monkeypatch):
+    """selector._annotate reads the measured result's "pruned_near" as {name: finer buckets skipped}: a stored entry
+    with a list there (a hand edit, another program's file) passed the cache's check and then crashed every
+    selection that read it (AttributeError: 'list' object has no attribute 'get'); a count that is text or a bool
+    went into the reason as it was. The cache names it, so that the phase is timed again instead."""
+    from attnsel.cache import entry_problem
+    from attnsel.selector import Candidate, _annotate
+    from attnsel.store import bucket_errors
+
+    grid = [(0, (1, 1056)), (0, (4, 1056)), (0, (16, 1056)), (0, (64, 1056)), (2, (23, 1056))]
+    out, _ = _measure(monkeypatch, grid, "decode", lambda n, k: 10.0 if n == "fa3" or k[0] == 1 else 20.0)
+    entry = {"kind": "dispatch", "status": "timed", "budget_s": 45.0, "measured": out}
+    assert out["pruned_near"] == {"mtd": 1} and entry_problem(entry) is None  # the premise
+    found = {(n, "decode"): Candidate(n, "valid") for n in ("fa3", "mtd")}
+    with pytest.raises(AttributeError):  # what the selector does with a list there (selector.table's call)
+        _annotate(found, "decode", ["fa3", "mtd"], build_table(out, ["fa3", "mtd"]), bucket_errors(out), ["mtd"])
+    for bad in (["mtd"], "mtd", {"mtd": "1"}, {"mtd": True}, {"mtd": -1}, {"mtd": 1.5}, {3: 1}):
+        entry["measured"]["pruned_near"] = bad
+        assert "pruned_near" in (entry_problem(entry) or ""), bad
+
+
+def test_a_bucket_reads_its_pruned_near_as_names_only():
+    """A dispatch table's JSON (a report that scripts/replay_dispatch.py reads) with "pruned_near" as text was read
+    letter by letter ("xy" -> ('x', 'y')): candidates that were never pruned took part in lookups. A bucket takes a
+    list or tuple of names, kept as a tuple (equal tables compare equal), and names anything else."""
+    from attnsel.dispatch import Bucket
+
+    data = {"key": [8, 1024], "label": "8x1024", "backend": "y", "us": 10.0, "times_us": {"y": 10.0}}
+    assert Bucket.from_json({**data, "pruned_near": ["x"]}).pruned_near == ("x",)
+    assert Bucket.from_json(data) == Bucket.from_json({**data, "pruned_near": []})
+    for bad in ("xy", [1], ["x", None], {"x": 1}):
+        with pytest.raises(ValueError, match="pruned_near"):
+            Bucket.from_json({**data, "pruned_near": bad})
+
+
+def test_a_hand_made_table_with_a_candidate_only_pruned_near_its_buckets_serves():
+    """A candidate in a bucket's pruned_near that has no time in any bucket (a hand-made table) took part in the
+    interpolation but not in the table's tie-break order: the lookup raised ValueError ('x' is not in list)."""
+    from attnsel.dispatch import Bucket, DispatchTable
+
+    buckets = (Bucket((4, 1024), "4x1024", "y", 10.0, None, None, {"y": 10.0}, {}, pruned_near=("x",)),
+               Bucket((8, 1024), "8x1024", "y", 20.0, None, None, {"y": 20.0}, {}, pruned_near=("x",)))
+    table = DispatchTable("decode", "eager", ("batch", "context"), buckets, "y", 1)
+    assert table.backend_for((5, 1024)) == "y"
+
+
+def test_pruned_near_stays_off_ragged_and_graph_tables_and_off_timed_names():
+    """Local pruning is eager and uniform-only (ragged buckets are timed with every candidate): a stored entry with a
+    ragged bucket's or a graph bucket's "pruned_near" (a hand edit) put a PRUNE estimate into the ragged sub-table's
+    lookups, and a name both timed and listed was kept in the bucket's pruned_near (the report listed it as not
+    timed where it has a time). build_table keeps pruned_near on eager uniform buckets, for names without a time."""
+    measured = {"phase": "decode", "mode": "eager", "axes": ["batch", "context"], "grid_version": 1,
+                "buckets": [{"key": [4, 1024], "label": "4x1024", "us": {"x": 10.0, "y": 20.0}},
+                            {"key": [8, 1024], "label": "8x1024", "us": {"y": 10.0, "z": 12.0},
+                             "pruned_near": ["x", "z"]},
+                            {"key": [8, 1024], "label": "ragged 8 (mean 1024, max 4000)", "ragged": True,
+                             "us": {"y": 10.0}, "pruned_near": ["x"]}]}
+    table = build_table(measured, ["y", "x", "z"])
+    assert table.buckets[1].pruned_near == ("x",)
+    assert table.ragged is not None and table.ragged.buckets[0].pruned_near == ()
+    graph = build_table({**measured, "mode": "graph", "axes": ["batch", "context"]}, ["y", "x", "z"])
+    assert all(b.pruned_near == () for b in graph.buckets)
