@@ -259,7 +259,8 @@ class FlashAttention:
                                              v_descale, window_size, attention_chunk, softcap, num_splits, pack_gqa,
                                              deterministic, sm_margin, return_attn_probs, sinks, page_table)
         try:
-            speed_hints("flash_attn_varlen_func", num_splits, pack_gqa)
+            if type(num_splits) is not int or pack_gqa is not None:  # FA3's speed hints: checked, ignored
+                speed_hints("flash_attn_varlen_func", num_splits, pack_gqa)
             if (seqused_q is not None or seqused_k is not None or qv is not None or q_descale is not None
                     or k_descale is not None or v_descale is not None or attention_chunk != 0
                     or deterministic or sm_margin != 0 or return_attn_probs):
@@ -336,7 +337,9 @@ class FlashAttention:
         sm_margin, return_softmax_lse; a cache without page_table. scheduler_metadata, num_splits and pack_gqa are
         speed hints: checked, ignored (flash_checks.speed_hints)."""
         try:
-            speed_hints("flash_attn_with_kvcache", num_splits, pack_gqa, scheduler_metadata)
+            if (type(num_splits) is not int or pack_gqa is not None
+                    or scheduler_metadata is not None):  # FA3's speed hints: checked, ignored (host time per call)
+                speed_hints("flash_attn_with_kvcache", num_splits, pack_gqa, scheduler_metadata)
             if (qv is not None or rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
                     or cache_leftpad is not None or rotary_seqlens is not None or q_descale is not None
                     or attention_chunk != 0 or not rotary_interleaved or sm_margin != 0 or return_softmax_lse):

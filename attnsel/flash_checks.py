@@ -21,9 +21,11 @@ def unsupported(func: str, given: dict) -> None:
 
 def speed_hints(func: str, num_splits, pack_gqa, scheduler_metadata=None) -> None:
     """FA3's speed hints (num_splits, pack_gqa, scheduler_metadata) choose only how FA3 parallelises, which the
-    dispatch decides itself: checked, then ignored. InvalidArgument naming a value FA3 would not take either."""
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise InvalidArgument(f"attnsel.{func}: num_splits={show(num_splits)}: allowed: an int >= 0 (a speed hint, "
+    dispatch decides itself: checked, then ignored. InvalidArgument naming a value FA3 would not take either:
+    num_splits is any int to FA3 (<= 0: its own heuristic; numpy ints too), not a bool or a tensor (a device read).
+    The callers skip this for the defaults (host time per call)."""
+    if isinstance(num_splits, (bool, torch.Tensor)) or not hasattr(num_splits, "__index__"):
+        raise InvalidArgument(f"attnsel.{func}: num_splits={show(num_splits)}: allowed: an int (a speed hint, "
                               "ignored: attnsel's dispatch chooses the split)")
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise InvalidArgument(f"attnsel.{func}: pack_gqa={show(pack_gqa)}: allowed: None, True or False (a speed "

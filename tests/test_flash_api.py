@@ -983,8 +983,44 @@ def test_fa3_speed_hints_engines_pass_are_accepted_and_change_nothing(monkeypatc
             call = lambda **kw: attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,  # noqa: E731
                                                                 causal=True, **kw)
     assert torch.equal(call(**hints), call())
-    for bad, message in (({"num_splits": -1}, r"num_splits=-1: .*allowed: an int >= 0"),
-                         ({"num_splits": True}, r"num_splits=True: .*allowed: an int >= 0"),
+    for bad, message in (({"num_splits": 1.0}, r"num_splits=1.0: .*allowed: an int"),
+                         ({"num_splits": True}, r"num_splits=True: .*allowed: an int"),
                          ({"pack_gqa": "yes"}, r"pack_gqa='yes': .*allowed: None, True or False")):
         with pytest.raises(ValueError, match=message):
             call(**bad)
+
+
+@pytest.mark.parametrize("func", ["varlen", "varlen_paged", "kvcache"])
+def test_a_numpy_int_split_count_is_taken_as_fa3_takes_it_and_a_tensor_one_is_named(monkeypatch, func):
+    """FA3 takes num_splits as an int argument, which torch accepts as a numpy int too (an engine reading it from a
+    numpy config passes np.int64): attnsel's speed-hint check refused np.int64(0) as not an int, so such an engine
+    could not call attnsel unchanged (max_seqlen_q/k already take numpy ints). FA3 takes a negative count as 0 (its
+    heuristic), so a negative one was refused as a value "FA3 would not take either". A 0-dim tensor would be a
+    device read: still named."""
+    import numpy as np
+
+    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
+    monkeypatch.setenv("ATTNSEL_EXTEND_BACKEND", "torch")
+    torch.manual_seed(0)
+    if func == "varlen":
+        q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 2, 1, 8, torch.float32)
+        call = lambda **kw: attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, **kw)  # noqa: E731
+    else:
+        kc, vc = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)
+        table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+        lens = torch.tensor([6, 3], dtype=torch.int32)
+        if func == "varlen_paged":
+            q = torch.randn(3, 2, 8)
+            cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
+            call = lambda **kw: attnsel.flash_attn_varlen_func(  # noqa: E731
+                q, kc, vc, cu_q, None, 2, None, seqused_k=lens, page_table=table, causal=True, **kw)
+        else:
+            q = torch.randn(2, 1, 2, 8)
+            call = lambda **kw: attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,  # noqa: E731
+                                                                causal=True, **kw)
+    want = call()
+    for splits in (np.int64(0), np.int32(2), -1, np.int64(-1)):  # FA3: num_splits <= 0 is its own heuristic
+        assert torch.equal(call(num_splits=splits), want)
+    with pytest.raises(ValueError, match=r"num_splits=<tensor \(\) torch.int64>: .*allowed: an int"):
+        call(num_splits=torch.tensor(0))
