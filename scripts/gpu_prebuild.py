@@ -37,6 +37,8 @@ args = parser.parse_args()
 base = AttentionSpec(32, 8, 128, "bf16", 16)
 if args.spec and args.config:
     parser.error("--spec and --config both give the spec: pass one")
+if args.spec and "," in args.spec:
+    parser.error(f"--spec {args.spec}: one Q/KV[/HEAD_DIM][/DTYPE] item (gpu-bench runs one build per item)")
 if args.spec:
     try:
         (base,) = parse_specs(args.spec, None)
