@@ -960,28 +960,10 @@ def test_fa3_speed_hints_engines_pass_are_accepted_and_change_nothing(monkeypatc
     """vLLM passes num_splits=0 to flash_attn_varlen_func (FA3's default there is 1), SGLang pack_gqa and
     scheduler_metadata: they only choose how FA3 parallelises, which attnsel's dispatch decides itself. They are
     checked (a wrong type or a negative split count is named) and ignored: the output is the call's without them."""
-    monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
-    monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
-    monkeypatch.setenv("ATTNSEL_EXTEND_BACKEND", "torch")
+    call = _hinted_call(monkeypatch, func)
     hints = {"num_splits": 0, "pack_gqa": True}
-    torch.manual_seed(0)
-    if func == "varlen":
-        q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 2, 1, 8, torch.float32)
-        call = lambda **kw: attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, **kw)  # noqa: E731
-    else:
-        kc, vc = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)
-        table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
-        lens = torch.tensor([6, 3], dtype=torch.int32)
-        if func == "varlen_paged":
-            q = torch.randn(3, 2, 8)
-            cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
-            call = lambda **kw: attnsel.flash_attn_varlen_func(  # noqa: E731
-                q, kc, vc, cu_q, None, 2, None, seqused_k=lens, page_table=table, causal=True, **kw)
-        else:
-            q = torch.randn(2, 1, 2, 8)
-            hints["scheduler_metadata"] = torch.zeros(4, dtype=torch.int32)
-            call = lambda **kw: attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,  # noqa: E731
-                                                                causal=True, **kw)
+    if func == "kvcache":
+        hints["scheduler_metadata"] = torch.zeros(4, dtype=torch.int32)
     assert torch.equal(call(**hints), call())
     for bad, message in (({"num_splits": 1.0}, r"num_splits=1.0: .*allowed: an int"),
                          ({"num_splits": True}, r"num_splits=True: .*allowed: an int"),
@@ -999,28 +981,32 @@ def test_a_numpy_int_split_count_is_taken_as_fa3_takes_it_and_a_tensor_one_is_na
     device read: still named."""
     import numpy as np
 
+    call = _hinted_call(monkeypatch, func)
+    want = call()
+    for splits in (np.int64(0), np.int32(2), -1, np.int64(-1)):  # FA3: num_splits <= 0 is its own heuristic
+        assert torch.equal(call(num_splits=splits), want)
+    with pytest.raises(ValueError, match=r"num_splits=<tensor \(\) torch.int64>: .*allowed: an int"):
+        call(num_splits=torch.tensor(0))
+
+
+def _hinted_call(monkeypatch, func):
+    """One small call of ``func`` ("varlen", "varlen_paged" or "kvcache") on the torch backend, taking extra keyword
+    arguments: for the speed-hint tests."""
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_EXTEND_BACKEND", "torch")
     torch.manual_seed(0)
     if func == "varlen":
         q, k, v, cu_q, cu_k = ragged([3, 5], [3, 5], 2, 1, 8, torch.float32)
-        call = lambda **kw: attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, **kw)  # noqa: E731
-    else:
-        kc, vc = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)
-        table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
-        lens = torch.tensor([6, 3], dtype=torch.int32)
-        if func == "varlen_paged":
-            q = torch.randn(3, 2, 8)
-            cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
-            call = lambda **kw: attnsel.flash_attn_varlen_func(  # noqa: E731
-                q, kc, vc, cu_q, None, 2, None, seqused_k=lens, page_table=table, causal=True, **kw)
-        else:
-            q = torch.randn(2, 1, 2, 8)
-            call = lambda **kw: attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table,  # noqa: E731
-                                                                causal=True, **kw)
-    want = call()
-    for splits in (np.int64(0), np.int32(2), -1, np.int64(-1)):  # FA3: num_splits <= 0 is its own heuristic
-        assert torch.equal(call(num_splits=splits), want)
-    with pytest.raises(ValueError, match=r"num_splits=<tensor \(\) torch.int64>: .*allowed: an int"):
-        call(num_splits=torch.tensor(0))
+        return lambda **kw: attnsel.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, **kw)
+    kc, vc = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    lens = torch.tensor([6, 3], dtype=torch.int32)
+    if func == "varlen_paged":
+        q = torch.randn(3, 2, 8)
+        cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
+        return lambda **kw: attnsel.flash_attn_varlen_func(q, kc, vc, cu_q, None, 2, None, seqused_k=lens,
+                                                           page_table=table, causal=True, **kw)
+    q = torch.randn(2, 1, 2, 8)
+    return lambda **kw: attnsel.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True,
+                                                        **kw)
