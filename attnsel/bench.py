@@ -145,7 +145,8 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
              ) -> tuple[list[Cell], dict, list[tuple]]:
     """Time the grid ``repeats`` times (whole passes one after another, so that a cell's passes are tens of seconds
     apart); a cell's time per backend is the median over the passes (a backend with an error in any pass has no
-    time). ``grid(phase, mode)``: the (label, key, shape, work) cells of that phase and mode instead of shapes()'s.
+    time). Graph-mode cells time only the valid backends that can serve CUDA-graph replays (not stale on replay:
+    the selection's candidates under graphs). ``grid(phase, mode)``: the (label, key, shape, work) cells of that phase and mode instead of shapes()'s.
     Returns the cells, the validity checks and per (phase, mode, shape) what compare() needs."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -153,12 +154,18 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
     for phase in phases:
         status = valid_backends(spec, phase, names, device)
         checks[phase] = status
-        runnable = [n for n, why in status.items() if not why]
-        cands = {n: backends.get(n) for n in runnable}
+        valid = [n for n, why in status.items() if not why]
+        by_mode = {}
+        for mode in modes:  # under CUDA graphs only the backends that can serve replays (graph_stale_reason)
+            runnable = [n for n in valid
+                        if mode != "graph" or not backends.graph_stale_reason(backends.get(n), phase)]
+            by_mode[mode] = (runnable, {n: backends.get(n) for n in runnable})
         if grid is None:
-            plan += [(phase, mode, *cell, runnable, cands) for cell in shapes(spec, phase, quick) for mode in modes]
+            plan += [(phase, mode, *cell, *by_mode[mode]) for cell in shapes(spec, phase, quick) for mode in modes
+                     if by_mode[mode][0]]
         else:
-            plan += [(phase, mode, *cell, runnable, cands) for mode in modes for cell in grid(phase, mode)]
+            plan += [(phase, mode, *cell, *by_mode[mode]) for mode in modes if by_mode[mode][0]
+                     for cell in grid(phase, mode)]
     passes: list[list[dict]] = []
     for p in range(repeats):
         timed_pass = []

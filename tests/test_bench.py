@@ -115,3 +115,29 @@ def test_bench_repeats_take_the_median_and_check_the_first_pass(monkeypatch):
     with pytest.raises(ValueError, match="repeats must be at least 1, got 0"):
         bench.run_grid(SPEC, ["torch"], ["eager"], True, torch.device("cpu"), probe, lambda m: None, repeats=0)
 
+
+
+def test_graph_cells_time_only_backends_that_can_serve_graph_replays(monkeypatch):
+    """Under CUDA graphs a backend that declares a phase stale on replay (FlashInfer's host-built plans, torch's
+    prefill) is unavailable to the selection: an engine's replay after in-place metadata updates would compute the
+    old batch. The bench timed it anyway, with the plan made for that one cell, and judged the graph-mode choice
+    against it: 15 of seed 4242's 24 graph prefill cells had FlashInfer as their fastest, a target no graph-mode
+    selection can reach. Graph cells now time only the backends that can serve replays; eager cells every one."""
+    from attnsel import bench
+
+    calls = []
+
+    def fake_time_bucket(cands, spec, phase, shape, device, mode, reps):
+        calls.append((phase, mode, sorted(cands)))
+        return {"us": {n: 10.0 for n in cands}, "spread": {n: 0.01 for n in cands}, "errors": {}}
+
+    monkeypatch.setattr(bench.timing, "time_bucket", fake_time_bucket)
+    probe = {"copy_tbps": 1.0, "read_tbps": 1.0}
+    cells, _, groups = bench.run_grid(SPEC, ["torch"], ["eager", "graph"], True, torch.device("cpu"), probe,
+                                      lambda m: None)
+    timed = {(phase, mode): names for phase, mode, names in calls}
+    assert timed[("prefill", "eager")] == ["torch"] and timed[("decode", "eager")] == ["torch"]
+    assert ("prefill", "graph") not in timed  # torch's prefill plan splits the batch on the host: stale on replay
+    assert timed[("decode", "graph")] == ["torch"]  # its decode computes the gather on the device: served
+    assert {(g[0], g[1]) for g in groups} == {("prefill", "eager"), ("decode", "eager"), ("decode", "graph")}
+    assert all(not (c.phase == "prefill" and c.mode == "graph") for c in cells)
