@@ -146,7 +146,8 @@ def run_grid(spec: AttentionSpec, names: list[str], modes: list[str], quick: boo
     """Time the grid ``repeats`` times (whole passes one after another, so that a cell's passes are tens of seconds
     apart); a cell's time per backend is the median over the passes (a backend with an error in any pass has no
     time). Graph-mode cells time only the valid backends that can serve CUDA-graph replays (not stale on replay:
-    the selection's candidates under graphs). ``grid(phase, mode)``: the (label, key, shape, work) cells of that phase and mode instead of shapes()'s.
+    the selection's candidates under graphs). ``grid(phase, mode)``: the (label, key, shape, work) cells of that
+    phase and mode instead of shapes()'s.
     Returns the cells, the validity checks and per (phase, mode, shape) what compare() needs."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -333,13 +334,9 @@ def untimed_extend(spec: AttentionSpec, mode: str) -> dict:
     default order that can serve the spec and is not stale on replay (torch's extend plan gathers rows on the host).
     {} where none can (extend stays automatic)."""
     order = ["torch"] if mode == "eager" else DEFAULT_PRIORITY["extend"]
-    for name in order:
-        backend = backends.get(name)
-        if mode == "graph" and backends.graph_stale_reason(backend, "extend"):
-            continue
-        if backends.availability(backend, spec, "extend")[0] is None:
-            return {"extend_priority": [name]}
-    return {}
+    name = next((n for n in order if backends.availability_in(backends.get(n), spec, "extend", mode)[0] is None),
+                None)
+    return {"extend_priority": [name]} if name else {}
 
 
 def select_modes(spec: AttentionSpec, modes: list[str], device: torch.device, records: list[dict],

@@ -89,7 +89,8 @@ class _Run:
         self.identity: dict[tuple[str, Phase], object] = {}
         for phase in PHASES:
             for name in names[phase]:
-                reason, identity = _availability(name, spec, phase, device, mode)
+                reason, identity = backends.availability_in(backends.get(name), spec, phase, mode,
+                                                            torch.device(device))
                 if reason:
                     self.found[(name, phase)] = Candidate(name, "unavailable", reason)
                 else:
@@ -252,16 +253,6 @@ class _Jobs:
                 self.errors[phase] = result.get("reason") or "timing produced no result"
                 log.warning("timing %s failed: %s", phase, self.errors[phase])
         return results
-
-
-def _availability(name: str, spec: AttentionSpec, phase: Phase, device: str, mode: str) -> tuple[str | None, object]:
-    """(why the backend cannot serve, None) or (None, its identity: version and source hash)."""
-    backend = backends.get(name)
-    reason, identity = backends.availability(backend, spec, phase, torch.device(device))
-    stale = backends.graph_stale_reason(backend, phase) if mode == "graph" and not reason else None
-    if stale:
-        reason = f"cannot serve CUDA-graph replays: {stale}"
-    return reason, identity
 
 
 def _annotate(found: dict, phase: Phase, valid: list[str], table: DispatchTable, errors: dict,

@@ -331,6 +331,15 @@ def decode_takes_b1hd(backend: Backend) -> bool:
 _B1HD_RAISED: set[str] = set()
 
 
+def availability_in(backend: Backend, spec: AttentionSpec, phase: Phase, mode: str,
+                    device: torch.device | None = None) -> tuple[str | None, dict | None]:
+    """``availability`` in a launch mode: under CUDA graphs ("graph") a backend that declares the phase stale on
+    replay (``graph_stale_reason``) cannot serve it either."""
+    reason, identity = availability(backend, spec, phase, device)
+    stale = graph_stale_reason(backend, phase) if mode == "graph" and not reason else None
+    return (f"cannot serve CUDA-graph replays: {stale}" if stale else reason), identity
+
+
 def graph_stale_reason(backend: Backend, phase: str) -> str | None:
     """Why a run of this backend captured in a CUDA graph would replay the metadata its plan copied instead of the
     engine's updated tensors (its optional ``graph_stale`` attribute: {phase: reason}), or None. A plugin without the
