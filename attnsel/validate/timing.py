@@ -38,6 +38,7 @@ Timing rules (what a number in a report means):
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -362,9 +363,8 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     buckets, skipped, pruned = [], [], {}
     steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
     allowance = plan_allowance(budget_s, max_budget_s)
-    coarse: list[dict] = []
-    near_keys: list[tuple] = []  # (key, timed) of the uniform coarse buckets, for pruning near a finer bucket
-    pruned_near: dict[str, int] = {}
+    coarse: list[tuple] = []  # (key, time_bucket result) of the uniform coarse buckets: pruning reads them
+    coarse_done = False
     for level, shape in grid:
         ragged = phase == "decode" and isinstance(shape, list)  # a decode batch's context lengths
         if phase == "extend":
@@ -379,14 +379,14 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
         if budget_s is not None and buckets and _counted(time.perf_counter() - t0, steps, allowance) > budget_s:
             skipped.append(label)
             continue
-        if level > 0 and coarse is not None:  # the coarse grid is done: prune once
-            pruned = prune(coarse, list(cands))
+        if level > 0 and not coarse_done:  # the coarse grid is done: prune once
+            pruned = prune([timed for _, timed in coarse], list(cands))
             for name, ratio in pruned.items():
                 log.info("%s %s: %s is not timed on the finer grid (at least %.2fx the fastest in every coarse "
                          "bucket)", phase, spec.describe(), name, ratio)
             cands = {n: b for n, b in cands.items() if n not in pruned}
-            coarse = None
-        local = prune(near_coarse(near_keys, key), list(cands)) if level > 0 and mode == "eager" else {}
+            coarse_done = True
+        local = prune(near_coarse(coarse, key), list(cands)) if level > 0 and mode == "eager" else {}
         timed = time_bucket({n: b for n, b in cands.items() if n not in local}, spec, phase, shape, device, mode,
                             reps)
         if (pruned or local) and timed["errors"]:  # a timed candidate failed: the pruned ones may have to serve
@@ -396,22 +396,20 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             timed = time_bucket({**cands, **{n: backends.get(n) for n in pruned}}, spec, phase, shape, device,
                                 mode, reps)
             local = {}
-        for name in local:
-            pruned_near[name] = pruned_near.get(name, 0) + 1
         _add_steps(steps, timed)
         buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}),
                         **({"pruned_near": sorted(local)} if local else {}), **timed})
-        if level == 0 and coarse is not None and not ragged:  # pruning reads the uniform coarse grid only
-            coarse.append(timed)
-            near_keys.append((key, timed))
+        if level == 0 and not coarse_done and not ragged:  # pruning reads the uniform coarse grid only
+            coarse.append((key, timed))
     reference = host_reference([b["host_us"] for b in buckets if b.get("host_us")])
     for b in buckets:  # the host's speed while a bucket was timed, over the phase's reference
         if b.get("host_us"):
             b["host"] = b["host_us"] / reference
     wall = time.perf_counter() - t0
+    pruned_near = collections.Counter(n for b in buckets for n in b.get("pruned_near", ()))
     return {"phase": phase, "mode": mode, "grid_version": GRID_VERSION,
             "axes": list(AXES[phase]), "reps": reps, "buckets": buckets,
-            "skipped": skipped, "pruned": pruned, "pruned_near": pruned_near, "wall_s": wall,
+            "skipped": skipped, "pruned": pruned, "pruned_near": dict(pruned_near), "wall_s": wall,
             "counted_s": _counted(wall, steps, allowance), "steps_s": steps}
 
 
