@@ -43,6 +43,15 @@ class Bucket:
             raise ValueError(f"bucket {self.label}: pruned_near must be a list of candidate names, got {near!r}")
         object.__setattr__(self, "pruned_near", tuple(near))  # a tuple: equal buckets compare equal
 
+    def estimated_us(self) -> dict[str, float]:
+        """The usable times (numbers > 0) with each ``pruned_near`` candidate at timing.PRUNE times the fastest (the
+        least it was at the coarse buckets around); {} without a usable time. Lookups and the headline read these."""
+        times = {n: t for n, t in self.times_us.items() if isinstance(t, (int, float)) and t > 0}
+        if not times:
+            return {}
+        best = min(times.values())
+        return {**{n: timing.PRUNE * best for n in self.pruned_near}, **times}
+
     @property
     def ratio(self) -> float | None:
         """Runner-up time over the chosen backend's time (>= 1 unless the tie band let priority decide)."""
@@ -131,10 +140,9 @@ class DispatchTable:
         object.__setattr__(self, "_by_point", by_point)
         usable, slowdowns = {}, {}
         for b in self.buckets:  # a bucket without usable times (hand-made tables) just never takes part
-            times = {n: t for n, t in b.times_us.items() if isinstance(t, (int, float)) and t > 0}
+            times = b.estimated_us()
             if times and by_point[points[b.key]] is b:
                 best = min(times.values())
-                times = {**{n: timing.PRUNE * best for n in b.pruned_near}, **times}
                 usable[points[b.key]] = times
                 slowdowns[points[b.key]] = {n: math.log(t / best) for n, t in times.items()}
         object.__setattr__(self, "_usable", usable)
@@ -422,8 +430,8 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
                                         pruned_near=tuple(n for n in near.get(key, ()) if n not in times))
                     for key, label, times, spread, host in rows)
     # eager: a candidate pruned near a finer bucket (timing.near_coarse) counts there as timing.PRUNE times the
-    # bucket's fastest, the least it was nearby: it stays a contender for the headline, which it may well be
-    est = [{**{n: timing.PRUNE * min(b.times_us.values()) for n in b.pruned_near}, **b.times_us} for b in buckets]
+    # bucket's fastest (Bucket.estimated_us): it stays a contender for the headline, which it may well be
+    est = [b.estimated_us() for b in buckets]
     everywhere = [n for n in order if all(n in t for t in est)]
     if everywhere:
         default = pick({n: _geomean([t[n] for t in est]) for n in everywhere}, order)
