@@ -58,10 +58,10 @@ from .flash_checks import (
     scale_error,
     scale_value,
     sinks_kwargs,
+    speed_hints,
     unit_stride,
     unsupported,
     varlen_masks,
-    speed_hints,
     varlen_offsets,
 )
 from .flash_masks import UnsupportedArgument
