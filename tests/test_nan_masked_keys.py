@@ -3,7 +3,9 @@ window) must not reach that query's output: only the queries that attend to the 
 backends spread it to every query of the sequence (torch: SDPA's additive mask adds -inf to a NaN score, and a 0
 probability times a NaN value is NaN in P @ V; Triton: the same 0 * NaN in its P @ V tile). Sequences stay isolated
 (never spread across them), and the cache's unused slots and pages are never read. FA3 shares the 0 * NaN within a
-tile; whether attnsel should mask values (cost per call) is the lead's decision: strict xfail until then."""
+tile. Not fixed: masking the values would cost every call and every backend, for inputs a working model does not
+produce (a NaN key is a fault upstream, and the rows that see it are NaN as they should be). Strict xfail: a backend
+that starts masking them fails here, and the mark comes off."""
 import pytest
 import torch
 
