@@ -12,6 +12,7 @@ import numbers
 from .errors import InvalidArgument
 from .validate import timing
 from .validate.extend_grid import EXTEND_AXES
+from .validate.grid import DECODE_SKEW
 
 LOOKUP_RULES = ("interpolation", "ragged")  # DispatchTable.without's names of the lookup's rules
 TIE = 0.01  # measured within 1% of the fastest: priority order decides (a wider band lets a backend 2% slower win a
@@ -195,11 +196,11 @@ class DispatchTable:
         """The backend that serves a shape given on the table's axes (interpolated between timed shapes, see the
         class docstring). Per axis the position between two timed values is rounded to 1/32 of their log distance,
         so that shapes a few tokens apart share one memoised answer. ``longest``: the batch's longest context (exact).
-        An extend batch whose longest row is at least timing.RAGGED_SKEW times its mean: ``_skewed_extend``. Decode:
-        for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean (``key[1]``),
-        near a timed ragged bucket (``covers``), the ragged buckets decide (a ragged batch's speed is not its mean's
-        uniform batch's: module timing); elsewhere the uniform ones (no extrapolation of the ragged timings over the
-        uniform ones). InvalidArgument for a ``longest`` that is not None or a host int >= 0 (a tensor would be read:
+        Decode: for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean
+        (``key[1]``), near a timed ragged bucket (``covers``), the ragged buckets decide (a ragged batch's speed is
+        not its mean's uniform batch's: module timing; no extrapolation of the ragged timings over the uniform
+        ones). A skewed batch otherwise (``skewed``: extend from timing.RAGGED_SKEW, eager decode outside the ragged
+        buckets from grid.DECODE_SKEW times the mean): ``_skewed``. InvalidArgument for a ``longest`` that is not None or a host int >= 0 (a tensor would be read:
         a device sync)."""
         self._check_key(key)
         if longest is not None and (isinstance(longest, bool) or not isinstance(longest, numbers.Integral)
@@ -208,8 +209,8 @@ class DispatchTable:
                                   f"exact), got {longest!r}")
         if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
             return self.ragged.backend_for(key)
-        if self.skew and self.axes == EXTEND_AXES and longest is not None and self.skewed(key, longest):
-            hit = self._skewed_extend(key, longest)
+        if self.skew and longest is not None and self.skewed(key, longest):
+            hit = self._skewed(key, longest)
             if hit:
                 return hit
         if not self.interpolate:
@@ -236,11 +237,17 @@ class DispatchTable:
                 sides.append(((lo, 1.0 - w), (hi, w)))
         return tuple(sides)
 
-    @staticmethod
-    def skewed(key: tuple[int, ...], longest: int) -> bool:
-        """Whether an extend batch (requests, mean queries, mean context) is skewed: at least 2 requests, the longest
-        context at least timing.RAGGED_SKEW times the mean."""
-        return key[0] >= 2 and longest >= timing.RAGGED_SKEW * max(key[-1], 1)
+    def skewed(self, key: tuple[int, ...], longest: int) -> bool:
+        """Whether a batch is skewed: at least 2 rows, the longest context at least timing.RAGGED_SKEW (extend:
+        requests, mean queries, mean context) or grid.DECODE_SKEW (eager decode: batch, mean context) times the
+        mean. Prefill and graph-mode decode (keyed by batch size alone) never are."""
+        if self.axes == EXTEND_AXES:
+            skew = timing.RAGGED_SKEW
+        elif self.axes == tuple(timing.DECODE_AXES):
+            skew = DECODE_SKEW
+        else:
+            return False
+        return key[0] >= 2 and longest >= skew * max(key[-1], 1)
 
     def _times(self, key: tuple[int, ...], sides: tuple) -> dict[str, float]:
         """Each candidate's time (us) at a shape (``sides``: its ``_sides``): interpolated multilinearly in log space
@@ -256,13 +263,13 @@ class DispatchTable:
                     return {n: math.exp(sum(w * math.log(self._usable[c][n]) for c, w in corners)) for n in names}
         return dict(self._usable.get(self._points[self.bucket_for(key).key], {}))
 
-    def _skewed_extend(self, key: tuple[int, ...], longest: int) -> str | None:
-        """A skewed extend batch: a kernel that does not split a row's keys waits for its longest row, which the
-        buckets (uniform rows) never timed. Each candidate's estimate is its time at the batch's means plus its time
-        for one request of the longest context (the mean queries): a splitting kernel spreads the long row over the
+    def _skewed(self, key: tuple[int, ...], longest: int) -> str | None:
+        """A skewed batch: a kernel that does not split a row's keys waits for its longest row, which the uniform
+        buckets never timed. Each candidate's estimate is its time at the batch's means plus its time for one row
+        of the longest context (extend: with the mean queries): a splitting kernel spreads the long row over the
         GPU (a small term), one that does not runs it in one program per head (a large term; the larger of the two
         alone missed the waves a long row waits behind, see the results file). The least estimate wins."""
-        lone = (1, key[1], longest)
+        lone = (1, key[1], longest) if self.axes == EXTEND_AXES else (1, longest)
         memo = (self._sides(key), self._sides(lone))
         hit = self._picks.get(memo, _MISSING)
         if hit is _MISSING:

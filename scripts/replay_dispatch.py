@@ -13,8 +13,9 @@ Usage: python3 scripts/replay_dispatch.py bench/results/2026-12-04-round11/bench
        and grid, run a's files then run b's in the same order: cells whose fastest in one run is more than 3% behind
        in the other, both ways; for benches of one pass)
        python3 scripts/replay_dispatch.py --heldout bench/results/2026-12-06-extend-h100/heldout.json   (a held-out
-       run's extend cells, each dispatched from its means and its longest context as plan_extend does: recorded
-       choice against the current code's; figures on seeds that chose a rule are in-sample)
+       run's eager cells of every phase, each dispatched as the bench did (a ragged decode or an extend batch by its
+       means and its longest context): recorded choice against the current code's; figures on seeds that chose a
+       rule are in-sample)
        python3 scripts/replay_dispatch.py --passes bench/results/2026-12-05-round14/bench-*.json   (runs with
        --repeats 2 or more: every strategy judged by each pass and by their median, each pass's fastest judged by the
        median of the other passes)
@@ -254,29 +255,40 @@ def drift(a: Path, b: Path) -> None:
 
 
 def heldout(path: Path) -> None:
-    """A held-out run's extend cells replayed on its own selections' extend tables (module doc)."""
+    """A held-out run's eager cells (prefill, decode, extend) replayed on its own selections' tables, each looked up
+    as the bench dispatched it (bench_cells.HeldoutCell.key: a ragged decode or an extend batch by its means and its
+    longest row; module doc)."""
+    from attnsel.validate import grid
     from attnsel.validate.extend_grid import extend_key
 
     data = json.loads(path.read_text())
-    rows = [r for r in data["comparison"] if r["phase"] == "extend" and r["mode"] == "eager"]
     # by spec: a spec whose selection failed has no record (bench.select_modes), so the order does not pair them
-    tables = {bench.spec_label(s["spec"]): (s.get("dispatch") or {}).get("extend")
-              for s in data["selections"] if s["mode"] == "eager"}
-    for spec in dict.fromkeys(r["spec"] for r in rows):
-        if not tables.get(spec):
-            print(f"{path} extend {spec}: no eager selection recorded with an extend table")
-            continue
-        table = DispatchTable.from_json(tables[spec])
-        mine = [r for r in rows if r["spec"] == spec]
-        now = []
-        for r in mine:
-            name = table.backend_for(extend_key(r["batch"], sum(r["q_lens"]), sum(r["lens"])), max(r["lens"]))
-            now.append(r["ratios"].get(name, math.inf))
-            if name != r["selected"]:
-                was = f"{r['selected_ratio']:.2f}x" if r["selected_ratio"] else "no time"
-                print(f"    {spec} {r['shape']}: {r['selected']} {was} -> {name} {now[-1]:.2f}x")
-        print(f"{path} extend {spec}\n  recorded: {score([r['selected_ratio'] or math.inf for r in mine])}\n"
-              f"  now:      {score(now)}")
+    tables = {bench.spec_label(s["spec"]): s.get("dispatch") or {} for s in data["selections"] if s["mode"] == "eager"}
+    for phase in ("prefill", "decode", "extend"):
+        rows = [r for r in data["comparison"] if r["phase"] == phase and r["mode"] == "eager"]
+        for spec in dict.fromkeys(r["spec"] for r in rows):
+            if not (tables.get(spec) or {}).get(phase):
+                print(f"{path} {phase} {spec}: no eager selection recorded with a {phase} table")
+                continue
+            table = DispatchTable.from_json(tables[spec][phase])
+            mine = [r for r in rows if r["spec"] == spec]
+            now = []
+            for r in mine:
+                lens = list(r["lens"])
+                if phase == "prefill":
+                    name = table.backend_for(grid.prefill_key(lens))
+                elif phase == "extend":
+                    name = table.backend_for(extend_key(r["batch"], sum(r["q_lens"]), sum(lens)), max(lens))
+                elif r["ragged"]:
+                    name = table.backend_for(grid.ragged_key(lens), max(lens))
+                else:
+                    name = table.backend_for((r["batch"], lens[0]))
+                now.append(r["ratios"].get(name, math.inf))
+                if name != r["selected"]:
+                    was = f"{r['selected_ratio']:.2f}x" if r["selected_ratio"] else "no time"
+                    print(f"    {spec} {r['shape']}: {r['selected']} {was} -> {name} {now[-1]:.2f}x")
+            print(f"{path} {phase} {spec}\n  recorded: {score([r['selected_ratio'] or math.inf for r in mine])}\n"
+                  f"  now:      {score(now)}")
 
 
 def main(args: list[str]) -> None:

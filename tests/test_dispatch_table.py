@@ -211,3 +211,29 @@ def test_replay_of_a_heldout_run_pairs_each_spec_with_its_own_selection(tmp_path
     assert f"{path} extend 32/8: no eager selection recorded with an extend table" in proc.stdout
     assert "8/1 #1 mtp 4x2 over 2000: a no time -> b 1.00x" in proc.stdout
     assert f"{path} extend 8/1\n  recorded: 0/1 within 3%" in proc.stdout
+
+
+# "whole" reads a row in one program per head (no split of its keys): two rows take as long as the longer one alone;
+# "split" spreads a row over the GPU and is a little slower on uniform rows
+WAIT_CELLS = {(1, 1024): {"whole": 10.0, "split": 8.0}, (1, 4096): {"whole": 33.0, "split": 16.0},
+              (2, 1024): {"whole": 10.0, "split": 12.0}, (2, 4096): {"whole": 33.0, "split": 30.0}}
+
+
+def test_a_skewed_decode_batch_outside_the_ragged_buckets_adds_its_longest_row_alone():
+    """Two rows of 452 and 3432 tokens (mean 1942, longest 1.77x it): by its mean the uniform buckets favour
+    "whole", but "whole" waits for the 3432-token row. Decode batches the ragged sub-table does not serve are
+    estimated as extend's skewed batches are: the time at the mean plus one row of the longest context alone."""
+    table = build_table(measured(WAIT_CELLS), ["whole", "split"])
+    assert table.backend_for((2, 1942)) == "whole" == table.backend_for((2, 1942), longest=1942)
+    assert table.backend_for((2, 1942), longest=3432) == "split"
+    assert table.backend_for((2, 1942), longest=2800) == "whole"  # under SKEW (1.44x the mean): by the mean
+    assert table.without("ragged").backend_for((2, 1942), longest=3432) == "whole"
+    assert DispatchTable.from_json(json.loads(json.dumps(table.to_json()))).backend_for((2, 1942), 3432) == "split"
+
+
+def test_the_ragged_sub_table_keeps_the_batches_it_covers():
+    """A skewed batch near a timed ragged bucket goes by that sub-table, not by the longest-row estimate."""
+    ragged = {(2, 2048): {"whole": 10.0, "split": 20.0}}
+    table = build_table(measured(WAIT_CELLS, ragged=ragged), ["whole", "split"])
+    assert table.ragged.covers((2, 1200), 3432) and table.backend_for((2, 1200), longest=3432) == "whole"
+    assert not table.ragged.covers((2, 1942), 3432) and table.backend_for((2, 1942), longest=3432) == "split"

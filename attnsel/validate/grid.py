@@ -47,6 +47,10 @@ RAGGED_DECODE_BATCHES = (8, 32, 128, 512)
 RAGGED_DECODE_MEANS = (256, 1024, 4096)
 RAGGED_ROW_SIGMA = 1.0  # log-normal sigma of a batch's rows around its median (bench_cells draws held-out ones so)
 RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
+DECODE_SKEW = 1.5  # an eager decode batch the ragged buckets do not serve, with its longest row at least this many
+# times its mean, is estimated as the uniform batch at its mean plus one row of its longest context
+# (dispatch.DispatchTable._skewed): few-row batches of 1.5-1.8x skews were served up to 1.7x slow by the mean alone
+# (see the results file)
 # Wave edges (eager and graph decode): a kernel that runs one thread block per (row, KV head) and does not split
 # the context (FA3 once the blocks fill 0.8 of the SMs) takes ceil(batch x kv_heads / SMs) rounds, so its time steps
 # up right past batch = k x SMs / kv_heads, and the sqrt(2) grid above brackets such an edge with two values on its
