@@ -268,7 +268,8 @@ def heldout(path: Path) -> None:
         rows = [r for r in data["comparison"] if r["phase"] == phase and r["mode"] == "eager"]
         for spec in dict.fromkeys(r["spec"] for r in rows):
             if not (tables.get(spec) or {}).get(phase):
-                print(f"{path} {phase} {spec}: no eager selection recorded with a {phase} table")
+                print(f"{path} {phase} {spec}: no eager selection recorded with {'an' if phase == 'extend' else 'a'} "
+                      f"{phase} table")
                 continue
             table = DispatchTable.from_json(tables[spec][phase])
             mine = [r for r in rows if r["spec"] == spec]
