@@ -115,7 +115,7 @@ class DispatchTable:
     ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
     # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
     interpolate: bool = True  # False: the nearest bucket serves every shape (a lookup option, not stored: ``without``)
-    skew: bool = True  # False: a skewed extend batch goes by its means alone (a lookup option: ``without("ragged")``)
+    skew: bool = True  # False: a skewed batch goes by its means alone (a lookup option: ``without("ragged")``)
 
     def __post_init__(self) -> None:
         if not self.buckets:
