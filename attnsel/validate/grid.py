@@ -44,7 +44,8 @@ DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
 # (batch, mean) can be far from the fastest (Triton's split of the context is even over the rows, FA3's and
 # FlashInfer's are not; see the results file).
 RAGGED_DECODE_BATCHES = (8, 32, 128, 512)
-RAGGED_DECODE_MEANS = (256, 1024, 4096)
+RAGGED_DECODE_MEANS = (256, 512, 1024, 4096)  # 512: FlashInfer's lead at mean 256 turns into FA3's at 1024 on
+# 128-512 rows, and interpolating across that 4x step served batches of means 387-614 at up to 1.15x (results file)
 RAGGED_ROW_SIGMA = 1.0  # log-normal sigma of a batch's rows around its median (bench_cells draws held-out ones so)
 RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
 DECODE_SKEW = 1.5  # an eager decode batch the ragged buckets do not serve, with its longest row at least this many
