@@ -57,8 +57,10 @@ def test_bench_plumbing_on_tiny_cpu_shapes(monkeypatch, tmp_path):
     assert checks == {"prefill": {"torch": "", "triton": ""}, "decode": {"torch": "", "triton": ""}}
     assert [g[2] for g in groups] == ["1x8", "2 seqs, 8 tok, max 5", "1x20", "ragged 2 (max 17)"]
     assert all(c.us and c.vs_best >= 1 for c in cells)
+    # the ragged [5, 17] (longest 1.55x the mean) is estimated at its mean plus its longest row alone:
+    # triton 1 + 2 against torch 4 + 1
     table = build_table(measured("decode", "eager", {(1, 20): {"torch": 1.0, "triton": 2.0},
-                                                     (2, 17): {"torch": 2.0, "triton": 1.0}}), ["triton", "torch"])
+                                                     (2, 17): {"torch": 4.0, "triton": 1.0}}), ["triton", "torch"])
     sel = _selection({"decode": PhaseChoice(table.default, "auto", [], table)})
     rows = [bench.compare(SPEC, *g[:4], g[4], g[5], sel) for g in groups]
     assert rows[3]["selected"] == "triton" and rows[2]["selected"] == "torch"
