@@ -145,3 +145,19 @@ def test_plan_decode_routes_a_mildly_skewed_batch_by_its_longest_row(monkeypatch
     gsel = _selection({"decode": PhaseChoice("rec_a", "auto", [], graph)})
     assert gsel.decode_backend_for(2, 1100, 2000) == gsel.decode_backend_for(2, 1100)
 
+
+@pytest.mark.parametrize("longest, message", [
+    (3300, r"longest=3300 is more than max_seq_len=3200, which bounds every row's context"),
+    (1000, r"longest=1000 is less than the mean context 1100 \(context_tokens=2200 over 2 rows\)"),
+])
+def test_plan_decode_refuses_a_longest_that_contradicts_its_other_host_ints(monkeypatch, longest, message):
+    """A longest above max_seq_len, or below the mean context, contradicts the other host ints (one of them is
+    wrong), and from 1.5x the mean it changes the pick: refused as plan_extend refuses it, not served silently."""
+    from attnsel.errors import InvalidArgument
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.dispatch:RECORDERS")
+    cells = {k: {"rec_a": t["whole"], "rec_b": t["split"]} for k, t in AT_TWO.items()}
+    sel = _selection({"decode": PhaseChoice("rec_a", "auto", [], build_table(measured(cells), ["rec_a", "rec_b"]))})
+    meta = dict(device="meta", dtype=torch.int32)
+    pt, lens = torch.empty(2, 200, **meta), torch.empty(2, **meta)
+    with pytest.raises(InvalidArgument, match=message):
+        sel.plan_decode(pt, lens, max_seq_len=3200, context_tokens=2200, longest=longest)
