@@ -200,8 +200,8 @@ class DispatchTable:
         (``key[1]``), near a timed ragged bucket (``covers``), the ragged buckets decide (a ragged batch's speed is
         not its mean's uniform batch's: module timing; no extrapolation of the ragged timings over the uniform
         ones). A skewed batch otherwise (``skewed``: extend from timing.RAGGED_SKEW, eager decode outside the ragged
-        buckets from grid.DECODE_SKEW times the mean): ``_skewed``. InvalidArgument for a ``longest`` that is not None or a host int >= 0 (a tensor would be read:
-        a device sync)."""
+        buckets from grid.DECODE_SKEW times the mean): ``_skewed``. InvalidArgument for a ``longest`` that is not
+        None or a host int >= 0 (a tensor would be read: a device sync)."""
         self._check_key(key)
         if longest is not None and (isinstance(longest, bool) or not isinstance(longest, numbers.Integral)
                                     or longest < 0):
@@ -270,10 +270,13 @@ class DispatchTable:
         GPU (a small term), one that does not runs it in one program per head (a large term; the larger of the two
         alone missed the waves a long row waits behind, see the results file). The least estimate wins."""
         lone = (1, key[1], longest) if self.axes == EXTEND_AXES else (1, longest)
-        memo = (self._sides(key), self._sides(lone))
+        sides = (self._sides(key), self._sides(lone))
+        # with the nearest buckets: where a corner is untimed or interpolation is off, _times reads the nearest
+        # bucket, which shapes of one rounded position need not share (either side of a midpoint)
+        memo = (*sides, self.bucket_for(key).key, self.bucket_for(lone).key)
         hit = self._picks.get(memo, _MISSING)
         if hit is _MISSING:
-            even, alone = self._times(key, memo[0]), self._times(lone, memo[1])
+            even, alone = self._times(key, sides[0]), self._times(lone, sides[1])
             cost = {n: even[n] + alone[n] for n in set(even) & set(alone)}
             hit = min(cost, key=lambda n: (cost[n], self._order.index(n))) if cost else None
             if len(self._picks) >= 4096:  # bounded memo

@@ -8,6 +8,7 @@ import torch
 
 from . import metadata_values
 from .backends import RunFn
+from .errors import InvalidArgument
 from .spec import DTYPES, KV_DTYPES, AttentionSpec
 
 _NAMES = {**DTYPES, **KV_DTYPES}  # a tensor's dtype in the spec's words, in messages
@@ -59,6 +60,21 @@ _INDEX_DTYPES = (torch.int32,)  # as FlashAttention: an int64 copy made at plan 
 def _host_int(value) -> bool:
     """An integer on the host (int, numpy integer; not bool, not a tensor: reading one would sync)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_longest(longest: int, bound: int, max_seq_len: int | None, pages: int, page_size: int, rows: int,
+                  context_tokens: int | None, noun: str) -> None:
+    """plan_decode's and plan_extend's ``longest`` against their other host ints: within the bound on every row
+    (``max_seq_len``, else the page table's reach), at least the mean context; ``noun``: what the rows are called."""
+    if longest > bound:
+        what = (f"max_seq_len={max_seq_len}" if max_seq_len is not None
+                else f"the page table's reach {bound} ({pages} pages of {page_size})")
+        raise InvalidArgument(f"longest={longest} is more than {what}, which bounds every row's context; allowed: "
+                              f"longest <= {'max_seq_len' if max_seq_len is not None else bound}")
+    if context_tokens is not None and rows and longest * rows < context_tokens:
+        raise InvalidArgument(f"longest={longest} is less than the mean context {-(-context_tokens // rows)} "
+                              f"(context_tokens={context_tokens} over {rows} {noun}); allowed: longest >= "
+                              f"context_tokens / {noun} (the longest row holds at least the mean)")
 
 
 def check_prefill_metadata(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:

@@ -24,6 +24,7 @@ from .run_checks import (
     _pages_checked,
     check_decode_metadata,
     check_extend_metadata,
+    check_longest,
     check_prefill_metadata,
     checked_decode,
     checked_extend,
@@ -206,9 +207,11 @@ class Selection:
         tokens summed over the batch) is given: a decode's time follows the tokens it reads (keyed by its longest row, a
         ragged batch can be served by a backend twice as slow as the fastest); with ``longest`` too (the batch's longest
         context, exact: ``max_seq_len`` may be a bound; read only with ``context_tokens``; checked against seq_lens
-        under ATTNSEL_CHECK_METADATA=1), a batch whose longest row is at least timing.RAGGED_SKEW times the mean is
-        served by the eager table's ragged buckets where it has them (DispatchTable.backend_for: which backend is
-        fastest on rows of very different lengths is not what the uniform batch of the mean says); else ``max_seq_len``;
+        under ATTNSEL_CHECK_METADATA=1; InvalidArgument above ``max_seq_len`` or the page table's reach, or below the
+        mean), a batch whose longest row is at least timing.RAGGED_SKEW times the mean is served by the eager table's
+        ragged buckets where it has them, and one from grid.DECODE_SKEW times the mean elsewhere by its mean plus its
+        longest row alone (DispatchTable.backend_for: which backend is fastest on rows of very different lengths is
+        not what the uniform batch of the mean says); else ``max_seq_len``;
         else ``page_table.shape[1] * page_size``, the longest context the table can hold (an overestimate when the table
         is wider than needed: pass one of them). In mode "graph" only the batch size matters. The run function checks q
         and the caches against the spec and raises ValueError naming the argument. It owns the plan's device buffers:
@@ -225,6 +228,10 @@ class Selection:
         if longest is not None and (not _host_int(longest) or longest < 0):
             raise InvalidArgument("longest: expected None or a non-negative Python int (the batch's longest "
                                   f"context, exact), got {longest!r}")
+        if longest is not None:  # host ints that contradict each other: one of them is wrong
+            reach = page_table.shape[1] * self.spec.page_size
+            check_longest(longest, max_seq_len if max_seq_len is not None else reach, max_seq_len,
+                          page_table.shape[1], self.spec.page_size, seq_lens.shape[0], context_tokens, "rows")
         pages_needed = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size,
                                                         self.spec.sliding_window, longest)
                         if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
@@ -282,8 +289,8 @@ class Selection:
         requests = seq_lens.shape[0]
         bound = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
         if longest is not None:  # host ints that contradict each other: one of them is wrong
-            _check_longest(longest, bound, max_seq_len, page_table.shape[1], self.spec.page_size, requests,
-                           context_tokens)
+            check_longest(longest, bound, max_seq_len, page_table.shape[1], self.spec.page_size, requests,
+                          context_tokens, "requests")
         pages_needed = (metadata_values.check_extend(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound,
                                                      self.spec.page_size, total_q, self.spec.sliding_window, longest)
                         if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
@@ -354,20 +361,6 @@ def priority_list(phase: Phase, given: list[str] | tuple[str, ...] | None) -> li
     default = list(DEFAULT_PRIORITY[phase])
     plugins = [n for n in backends.names() if n not in backends.BUILTINS]
     return default[:-1] + plugins + default[-1:]
-
-
-def _check_longest(longest: int, bound: int, max_seq_len: int | None, pages: int, page_size: int, requests: int,
-                   context_tokens: int | None) -> None:
-    """plan_extend's ``longest`` against its other host ints: within the bound on every row, at least the mean."""
-    if longest > bound:
-        what = (f"max_seq_len={max_seq_len}" if max_seq_len is not None
-                else f"the page table's reach {bound} ({pages} pages of {page_size})")
-        raise InvalidArgument(f"longest={longest} is more than {what}, which bounds every row's context; allowed: "
-                              f"longest <= {'max_seq_len' if max_seq_len is not None else bound}")
-    if context_tokens is not None and requests and longest * requests < context_tokens:
-        raise InvalidArgument(f"longest={longest} is less than the mean context {-(-context_tokens // requests)} "
-                              f"(context_tokens={context_tokens} over {requests} requests); allowed: longest >= "
-                              "context_tokens / requests (the longest row holds at least the mean)")
 
 
 def _check_choice(label: str, value: str, allowed) -> None:

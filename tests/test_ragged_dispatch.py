@@ -326,7 +326,7 @@ def test_a_wrong_longest_is_named_when_metadata_is_checked(monkeypatch):
     Recorder.planned.clear()
     sel.plan_decode(page_table, seq_lens, max_seq_len=2048, context_tokens=2300, longest=2000)
     assert Recorder.planned == ["rec_b"]  # 2000 >= 2.5 x the mean of 575: ragged
-    for wrong in (5, 2001, 0):
+    for wrong in (600, 1999, 2001):  # within max_seq_len and at least the mean (below it: refused from host ints)
         with pytest.raises(ValueError, match=rf"^longest={wrong} but the longest of seq_lens is 2000 \(row 0\); "
                                              r"allowed: longest = max\(seq_lens\)"):
             sel.plan_decode(page_table, seq_lens, max_seq_len=2048, context_tokens=2300, longest=wrong)

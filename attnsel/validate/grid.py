@@ -47,7 +47,8 @@ RAGGED_DECODE_BATCHES = (8, 32, 128, 512)
 RAGGED_DECODE_MEANS = (256, 512, 1024, 4096)  # 512: FlashInfer's lead at mean 256 turns into FA3's at 1024 on
 # 128-512 rows, and interpolating across that 4x step served batches of means 387-614 at up to 1.15x (results file)
 RAGGED_ROW_SIGMA = 1.0  # log-normal sigma of a batch's rows around its median (bench_cells draws held-out ones so)
-RAGGED_SKEW = 2.5  # below it a batch is served as uniform: milder skews were not timed
+RAGGED_SKEW = 2.5  # below it the ragged buckets do not serve a batch (milder skews were not timed); extend's
+# skewed estimate starts here too (eager decode's at DECODE_SKEW)
 DECODE_SKEW = 1.5  # an eager decode batch the ragged buckets do not serve, with its longest row at least this many
 # times its mean, is estimated as the uniform batch at its mean plus one row of its longest context
 # (dispatch.DispatchTable._skewed): few-row batches of 1.5-1.8x skews were served up to 1.7x slow by the mean alone
