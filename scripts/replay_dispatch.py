@@ -15,7 +15,7 @@ Usage: python3 scripts/replay_dispatch.py bench/results/2026-12-04-round11/bench
        python3 scripts/replay_dispatch.py --heldout bench/results/2026-12-06-extend-h100/heldout.json   (a held-out
        run's eager cells of every phase, each dispatched as the bench did (a ragged decode or an extend batch by its
        means and its longest context): recorded choice against the current code's; figures on seeds that chose a
-       rule are in-sample)
+       rule are in-sample; `--heldout --without RULE FILES`: with that lookup rule off)
        python3 scripts/replay_dispatch.py --passes bench/results/2026-12-05-round14/bench-*.json   (runs with
        --repeats 2 or more: every strategy judged by each pass and by their median, each pass's fastest judged by the
        median of the other passes)
@@ -254,10 +254,10 @@ def drift(a: Path, b: Path) -> None:
               f"largest {math.exp(moves[-1]):.2f}x; a's winner within 3% in b: {score(kept)}")
 
 
-def heldout(path: Path) -> None:
-    """A held-out run's eager cells (prefill, decode, extend) replayed on its own selections' tables, each looked up
-    as the bench dispatched it (bench_cells.HeldoutCell.key: a ragged decode or an extend batch by its means and its
-    longest row; module doc)."""
+def heldout(path: Path, without: tuple[str, ...] = ()) -> None:
+    """A held-out run's eager cells (prefill, decode, extend) replayed on its own selections' tables (``without``:
+    these lookup rules switched off), each looked up as the bench dispatched it (bench_cells.HeldoutCell.key: a
+    ragged decode or an extend batch by its means and its longest row; module doc)."""
     from attnsel.validate import grid
     from attnsel.validate.extend_grid import extend_key
 
@@ -271,7 +271,7 @@ def heldout(path: Path) -> None:
                 print(f"{path} {phase} {spec}: no eager selection recorded with {'an' if phase == 'extend' else 'a'} "
                       f"{phase} table")
                 continue
-            table = DispatchTable.from_json(tables[spec][phase])
+            table = DispatchTable.from_json(tables[spec][phase]).without(*without)
             mine = [r for r in rows if r["spec"] == spec]
             now = []
             for r in mine:
@@ -294,8 +294,14 @@ def heldout(path: Path) -> None:
 
 def main(args: list[str]) -> None:
     if args and args[0] == "--heldout":
-        for p in args[1:]:
-            heldout(Path(p))
+        args, without = args[1:], []
+        while len(args) >= 2 and args[0] == "--without":
+            if args[1] not in LOOKUP_RULES:
+                raise SystemExit(f"--without {args[1]}: not a lookup rule; the rules: {', '.join(LOOKUP_RULES)}")
+            without.append(args[1])
+            args = args[2:]
+        for p in args:
+            heldout(Path(p), tuple(without))
         return
     if args and args[0] == "--passes":
         passes([Path(p) for p in args[1:]])

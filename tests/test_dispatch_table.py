@@ -237,3 +237,31 @@ def test_the_ragged_sub_table_keeps_the_batches_it_covers():
     table = build_table(measured(WAIT_CELLS, ragged=ragged), ["whole", "split"])
     assert table.ragged.covers((2, 1200), 3432) and table.backend_for((2, 1200), longest=3432) == "whole"
     assert not table.ragged.covers((2, 1942), 3432) and table.backend_for((2, 1942), longest=3432) == "split"
+
+
+def test_replay_of_a_heldout_run_with_a_lookup_rule_off(tmp_path):
+    """scripts/replay_dispatch.py --heldout --without RULE: the held-out cells replayed with that rule off (what it
+    earns on cells no table was tuned on); an unknown rule is refused by name."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from attnsel.spec import AttentionSpec
+
+    lens = [508] * 14 + [504, 16384]  # 16 requests of 2 queries, mean context 1500, one of 16384: skewed
+    row = _heldout_row("32/8", "#1 chunk 16x2", 16, [2] * 16, lens, "b", {"a": 1.2, "b": 1.0})
+    data = {"comparison": [row], "selections": [{"spec": AttentionSpec(32, 8, 128, "bf16", 16).to_dict(),
+                                                 "mode": "eager", "dispatch": {"extend": extend_table(SKEW_CELLS).to_json()}}]}
+    path = tmp_path / "heldout.json"
+    path.write_text(json.dumps(data))
+    root = Path(__file__).resolve().parents[1]
+
+    def replay(*args):
+        return subprocess.run([sys.executable, "scripts/replay_dispatch.py", "--heldout", *args, str(path)], cwd=root,
+                              capture_output=True, text=True)
+
+    assert "now:      1/1 within 3%" in replay().stdout
+    off = replay("--without", "interpolation")
+    assert off.returncode == 0 and "#1 chunk 16x2: b 1.00x -> a 1.20x" in off.stdout, off.stdout + off.stderr
+    bad = replay("--without", "nearest")
+    assert bad.returncode != 0 and "--without nearest: not a lookup rule; the rules: interpolation, ragged" in bad.stderr
