@@ -14,7 +14,7 @@ from .validate import timing
 from .validate.extend_grid import EXTEND_AXES
 from .validate.grid import DECODE_SKEW
 
-LOOKUP_RULES = ("interpolation", "ragged")  # DispatchTable.without's names of the lookup's rules
+LOOKUP_RULES = ("interpolation", "ragged", "skew")  # DispatchTable.without's names of the lookup's rules
 TIE = 0.01  # measured within 1% of the fastest: priority order decides (a wider band lets a backend 2% slower win a
 # bucket by priority, and serve the shapes around it where it is slower still)
 
@@ -115,7 +115,7 @@ class DispatchTable:
     ragged: "DispatchTable | None" = None  # eager decode: the table of the ragged buckets (timing.RAGGED_*), same
     # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
     interpolate: bool = True  # False: the nearest bucket serves every shape (a lookup option, not stored: ``without``)
-    skew: bool = True  # False: a skewed batch goes by its means alone (a lookup option: ``without("ragged")``)
+    skew: bool = True  # False: a skewed batch goes by its means alone (a lookup option: ``without("skew")``)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -287,14 +287,15 @@ class DispatchTable:
     def without(self, *rules: str) -> "DispatchTable":
         """This table (and its ragged sub-table) with lookup rules beyond the nearest timed bucket switched off, to
         measure what each earns (scripts/replay_dispatch.py): "interpolation" (the nearest bucket serves every
-        shape) or "ragged" (no ragged sub-table: a skewed batch goes by its mean)."""
+        shape), "skew" (no skewed-batch estimate: such a batch goes by its means unless the ragged sub-table serves
+        it) or "ragged" (neither the ragged sub-table nor the estimate: a skewed batch goes by its mean)."""
         unknown = [r for r in rules if r not in LOOKUP_RULES]
         if unknown:
             raise ValueError(f"unknown lookup rule(s) {', '.join(map(repr, unknown))}; the rules that can be switched "
                              f"off: {', '.join(LOOKUP_RULES)}")
         ragged = None if "ragged" in rules or self.ragged is None else self.ragged.without(*rules)
         return dataclasses.replace(self, interpolate=self.interpolate and "interpolation" not in rules, ragged=ragged,
-                                   skew=self.skew and "ragged" not in rules)
+                                   skew=self.skew and "ragged" not in rules and "skew" not in rules)
 
     def covers(self, key: tuple[int, ...], longest: int) -> bool:
         """Whether this (ragged) table serves a decode batch of ``key`` = (batch, mean context) whose longest row is

@@ -103,7 +103,7 @@ def test_each_lookup_rule_can_be_switched_off_for_replays():
     assert not table.without("interpolation").ragged.interpolate and table.without() == table
     assert table.without("interpolation").to_json() == table.to_json()
     with pytest.raises(ValueError, match=r"unknown lookup rule\(s\) 'tie'; the rules that can be switched off: "
-                                         r"interpolation, ragged"):
+                                         r"interpolation, ragged, skew"):
         table.without("ragged", "tie")  # a rule that did not earn its place (bench/results/README.md)
 
 
@@ -250,8 +250,9 @@ def test_replay_of_a_heldout_run_with_a_lookup_rule_off(tmp_path):
 
     lens = [508] * 14 + [504, 16384]  # 16 requests of 2 queries, mean context 1500, one of 16384: skewed
     row = _heldout_row("32/8", "#1 chunk 16x2", 16, [2] * 16, lens, "b", {"a": 1.2, "b": 1.0})
+    extend = extend_table(SKEW_CELLS).to_json()
     data = {"comparison": [row], "selections": [{"spec": AttentionSpec(32, 8, 128, "bf16", 16).to_dict(),
-                                                 "mode": "eager", "dispatch": {"extend": extend_table(SKEW_CELLS).to_json()}}]}
+                                                 "mode": "eager", "dispatch": {"extend": extend}}]}
     path = tmp_path / "heldout.json"
     path.write_text(json.dumps(data))
     root = Path(__file__).resolve().parents[1]
@@ -264,4 +265,17 @@ def test_replay_of_a_heldout_run_with_a_lookup_rule_off(tmp_path):
     off = replay("--without", "interpolation")
     assert off.returncode == 0 and "#1 chunk 16x2: b 1.00x -> a 1.20x" in off.stdout, off.stdout + off.stderr
     bad = replay("--without", "nearest")
-    assert bad.returncode != 0 and "--without nearest: not a lookup rule; the rules: interpolation, ragged" in bad.stderr
+    assert bad.returncode != 0
+    assert "--without nearest: not a lookup rule; the rules: interpolation, ragged, skew" in bad.stderr
+
+
+def test_the_skew_estimate_can_be_switched_off_alone():
+    """without("skew"): skewed batches go by their means while the ragged sub-table still serves the batches it
+    covers (without("ragged") switches off both), so that a replay can show what the estimate alone earns."""
+    ragged = {(2, 1024): {"whole": 10.0, "split": 20.0}}
+    table = build_table(measured(WAIT_CELLS, ragged=ragged), ["whole", "split"])
+    assert table.backend_for((2, 1942), longest=3432) == "split"  # skew estimate (no ragged bucket near)
+    assert table.without("skew").backend_for((2, 1942), longest=3432) == "whole"  # by its mean
+    assert table.without("skew").backend_for((2, 1200), longest=3432) == "whole"  # the sub-table still serves
+    assert table.without("skew").ragged is not None
+    assert table.without("ragged").ragged is None and not table.without("ragged").skew
