@@ -453,3 +453,35 @@ def test_eager_finer_buckets_skip_candidates_slow_at_every_nearby_coarse_bucket(
     seen.clear()
     timing.measure(SPEC, "decode", ["fast", "small"], torch.device("cpu"), "graph", reps=1, grid=grid)
     assert all(names == ["fast", "small"] for _, names in seen)
+
+
+class Slowed(Logged):
+    """Logged, each run ``delay`` seconds slower (a candidate far behind the fastest)."""
+
+    def __init__(self, name, delay):
+        super().__init__(name)
+        self.delay = delay
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        import time
+        run = super().plan_decode(spec, page_table, seq_lens)
+        return lambda q, k, v: (time.sleep(self.delay), run(q, k, v))[1]
+
+
+def test_eager_timing_stops_sampling_a_candidate_far_behind(monkeypatch):
+    """Eager buckets take REPS_EAGER samples; a candidate whose every one of its first RACE_AFTER samples is at least
+    RACE_OUT x the fastest's median is not sampled further (its time: the median of those), listed in "raced".
+    Candidates within that factor take every sample; its output is still checked."""
+    monkeypatch.setattr(bucket_grid, "num_sets", lambda nbytes, device: 2)
+    Logged.calls.clear()
+    cands = {"fast": Logged("fast"), "close": Logged("close"), "far": Slowed("far", 0.02)}
+    out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=21)
+    assert out["raced"] == ["far"] and set(out["us"]) == {"fast", "close", "far"} and not out["errors"]
+    runs = {n: sum(1 for c, _ in Logged.calls if c == n) for n in cands}
+    # one first run, one calibration sample, the samples, two checked runs
+    assert runs == {"fast": 1 + 1 + 21 + 2, "close": 1 + 1 + 21 + 2, "far": 1 + 1 + timing.RACE_AFTER + 2}
+    assert out["us"]["far"] >= timing.RACE_OUT * out["us"]["fast"]
+    assert timing.RACE_AFTER == 7 and timing.RACE_OUT == timing.PRUNE
+    Logged.calls.clear()  # as many samples as RACE_AFTER or fewer (CUDA graphs: REPS): nothing is raced
+    out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=timing.RACE_AFTER)
+    assert "raced" not in out and sum(1 for c, _ in Logged.calls if c == "far") == 1 + 1 + timing.RACE_AFTER + 2

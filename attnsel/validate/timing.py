@@ -12,7 +12,10 @@ Timing rules (what a number in a report means):
   those samples. A sample lasts at least ``SAMPLE_S``: after one untrusted call, its number of calls grows (at least
   doubling) until a measured sample is that long (one cold call can be several times slower than a warm one).
 - Eager host-bound calls are noisy: with 21 samples a candidate's ratio to the fastest stays within 5% between
-  repeats, so eager buckets take 21; CUDA-graph replays vary by 1-3% and take 7 (see the results file).
+  repeats, so eager buckets take 21; CUDA-graph replays vary by 1-3% and take 7 (see the results file). A
+  candidate far behind needs no such precision: after ``RACE_AFTER`` eager samples each, one whose every sample is
+  at least ``RACE_OUT`` times the fastest's median so far takes no more (its time: the median of those; listed in
+  the bucket's "raced"). Samples of one repetition share the host's speed, so a slow host does not race anyone out.
 - Eager: the host's speed moves. Before each repetition a host probe (``host_probe``: launches of a one-element
   add) times the host; a bucket's ``host_us`` is the median of its probes, its ``host`` that over the phase's
   reference probe (the lower decile of its buckets' ``host_us``: one lucky bucket does not make the rest look slow),
@@ -63,7 +66,7 @@ from .host_probe import host_probe, host_reference
 log = logging.getLogger(__name__)
 AXES = {"prefill": PREFILL_AXES, "decode": DECODE_AXES, "extend": EXTEND_AXES}
 
-GRID_VERSION = 14  # part of the dispatch-table cache key: bump when the grid or the timing rules change
+GRID_VERSION = 15  # part of the dispatch-table cache key: bump when the grid or the timing rules change
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
@@ -78,6 +81,8 @@ PLAN_ALLOWANCE_S = 30.0  # per phase: this much of the plans-and-first-calls ste
 PLAN_ALLOWANCE_SHARE = 0.8  # the allowance is at most this share of the most a phase's budget may be (half the
 # worker's task timeout): a phase, budget plus allowance, ends within 0.9 of the timeout
 CPU_REPS = 3
+RACE_AFTER = 7  # eager: after this many samples a candidate far behind is not sampled further (module doc)
+RACE_OUT = PRUNE  # far behind: each of its samples at least this many times the fastest's median
 
 
 def reps_for(mode: str, device: torch.device) -> int:
@@ -227,7 +232,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     "spread": {name: (max - min) / median}, "errors": {name: reason}, "host_us": the median host probe (eager on
     CUDA; else None), "wall_s": {step: seconds}}: where the bucket's time went (inputs, plans and first runs,
     calibration, samples, output checks; summed per phase by measure, so that a report can say what a selection's
-    timing cost)."""
+    timing cost), "raced": [candidates sampled RACE_AFTER times only] where any."""
     wall = {}
     t_step = time.perf_counter()
 
@@ -260,7 +265,13 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     samples: dict[str, list[float]] = {name: [] for name in prepared}
     order = list(prepared)
     probes_us: list[float] = []
+    raced: list[str] = []
     for r in range(reps):
+        if r == RACE_AFTER and order:  # RACE_AFTER samples each so far: drop the candidates far behind
+            medians = [statistics.median(samples[n]) for n in order if samples[n]]
+            best = min(medians) if medians else None
+            raced = [n for n in order if best and samples[n] and min(samples[n]) >= RACE_OUT * best]
+            order = [n for n in order if n not in raced]
         probe = host_probe(device) if mode == "eager" and order else None
         if probe is not None:
             probes_us.append(probe * 1e6)
@@ -294,7 +305,8 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
         torch.cuda.empty_cache()
     lap("freeing")
     return {"us": us, "spread": spread, "errors": errors,
-            "host_us": statistics.median(probes_us) if probes_us else None, "wall_s": wall}
+            "host_us": statistics.median(probes_us) if probes_us else None, "wall_s": wall,
+            **({"raced": sorted(raced)} if raced else {})}
 
 
 def _timed_output_reason(item: _Timed, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple],
