@@ -470,7 +470,7 @@ class Slowed(Logged):
 
 def test_eager_timing_stops_sampling_a_candidate_far_behind(monkeypatch):
     """Eager buckets take REPS_EAGER samples; a candidate whose every one of its first RACE_AFTER samples is at least
-    RACE_OUT x the fastest's median is not sampled further (its time: the median of those), listed in "raced".
+    RACE_OUT x the leader's median is not sampled further (its time: from those), listed in "raced".
     Candidates within that factor take every sample; its output is still checked."""
     monkeypatch.setattr(bucket_grid, "num_sets", lambda nbytes, device: 2)
     Logged.calls.clear()
@@ -478,10 +478,86 @@ def test_eager_timing_stops_sampling_a_candidate_far_behind(monkeypatch):
     out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=21)
     assert out["raced"] == ["far"] and set(out["us"]) == {"fast", "close", "far"} and not out["errors"]
     runs = {n: sum(1 for c, _ in Logged.calls if c == n) for n in cands}
-    # one first run, one calibration sample, the samples, two checked runs
-    assert runs == {"fast": 1 + 1 + 21 + 2, "close": 1 + 1 + 21 + 2, "far": 1 + 1 + timing.RACE_AFTER + 2}
+    # one first run, one calibration sample, the samples, two checked runs (two more for the leader, checked at the
+    # race: whichever of fast and close was ahead then)
+    assert runs["far"] == 1 + 1 + timing.RACE_AFTER + 2
+    assert sorted((runs["fast"], runs["close"])) == [1 + 1 + 21 + 2, 1 + 1 + 21 + 2 + 2]
     assert out["us"]["far"] >= timing.RACE_OUT * out["us"]["fast"]
     assert timing.RACE_AFTER == 7 and timing.RACE_OUT == timing.PRUNE
     Logged.calls.clear()  # as many samples as RACE_AFTER or fewer (CUDA graphs: REPS): nothing is raced
     out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=timing.RACE_AFTER)
     assert "raced" not in out and sum(1 for c, _ in Logged.calls if c == "far") == 1 + 1 + timing.RACE_AFTER + 2
+
+
+class Memo:
+    """A fast right plan: each input set's output computed once by torch, then handed back as a fresh copy; its run
+    raises from its ``fail_at``-th call on (a device error after some fine samples)."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+
+    def plan_decode(self, spec, page_table, seq_lens):
+        run, memo, calls = TORCH.plan_decode(spec, page_table, seq_lens), {}, [0]
+
+        def run_memo(q, k, v):
+            calls[0] += 1
+            if self.fail_at is not None and calls[0] >= self.fail_at:
+                raise RuntimeError("device lost")
+            if id(q) not in memo:
+                memo[id(q)] = run(q, k, v)
+            return memo[id(q)].clone()
+
+        return run_memo
+
+
+@pytest.mark.parametrize("leader,reason", [
+    ("skip_work", "wrong output after the timed eager runs: "),  # fast, its stale output checked
+    ("raises before the race", "raised RuntimeError: device lost"),  # its 5th sample raises
+    ("raises after the race", "raised RuntimeError: device lost")])  # a sample after RACE_AFTER raises
+def test_a_candidate_without_a_time_races_no_one_out(monkeypatch, leader, reason):
+    """Only a candidate that keeps its time (its output checked, no error) races others out: one far ahead that turns
+    out wrong or raises must not leave the bucket's winner with RACE_AFTER samples, listed as raced."""
+    from tests.fixtures import fault_numerics as faults
+
+    monkeypatch.setattr(bucket_grid, "num_sets", lambda nbytes, device: 2)
+    bad = {"skip_work": faults.SKIP_WORK, "raises before the race": Memo(fail_at=7),
+           "raises after the race": Memo(fail_at=14)}[leader]
+    Logged.calls.clear()
+    cands = {"bad": bad, "torch": Logged("torch"), "far": Slowed("far", 0.02)}
+    out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=21)
+    assert set(out["us"]) == {"torch", "far"} and out["errors"]["bad"].startswith(reason), out
+    assert out.get("raced") == ["far"], out
+    runs = {n: sum(1 for c, _ in Logged.calls if c == n) for n in ("torch", "far")}
+    # first run, calibration, samples, checked runs (the leader's also when it races others out)
+    assert runs == {"torch": 1 + 1 + 21 + 2 + 2, "far": 1 + 1 + timing.RACE_AFTER + 2}
+
+
+def test_a_raced_candidate_stays_behind_when_the_host_slows_after_the_race(monkeypatch):
+    """A raced candidate's samples come from the first RACE_AFTER repetitions only. The host slowing 2x after them
+    (every candidate alike) must not make a candidate 1.5x behind look faster than the leader, whose later samples
+    took the slowdown: its time follows the leader's median over the same repetitions."""
+    import time as clock
+
+    monkeypatch.setattr(bucket_grid, "num_sets", lambda nbytes, device: 2)
+    host = {"calls": 0}
+    before_race = 2 * (1 + 1 + timing.RACE_AFTER)  # two candidates' first runs, calibration and first samples
+
+    class HostBound(Logged):
+        def __init__(self, name, seconds):
+            super().__init__(name)
+            self.seconds = seconds
+
+        def plan_decode(self, spec, page_table, seq_lens):
+            run = super().plan_decode(spec, page_table, seq_lens)
+
+            def slowed(q, k, v):
+                host["calls"] += 1
+                clock.sleep(self.seconds * (2 if host["calls"] > before_race else 1))
+                return run(q, k, v)
+
+            return slowed
+
+    cands = {"fast": HostBound("fast", 0.002), "far": HostBound("far", 0.003)}
+    out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=21)
+    assert out["raced"] == ["far"] and not out["errors"]
+    assert out["us"]["far"] > 1.2 * out["us"]["fast"], out["us"]

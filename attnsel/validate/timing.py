@@ -14,8 +14,11 @@ Timing rules (what a number in a report means):
 - Eager host-bound calls are noisy: with 21 samples a candidate's ratio to the fastest stays within 5% between
   repeats, so eager buckets take 21; CUDA-graph replays vary by 1-3% and take 7 (see the results file). A
   candidate far behind needs no such precision: after ``RACE_AFTER`` eager samples each, one whose every sample is
-  at least ``RACE_OUT`` times the fastest's median so far takes no more (its time: the median of those; listed in
-  the bucket's "raced"). Samples of one repetition share the host's speed, so a slow host does not race anyone out.
+  at least ``RACE_OUT`` times the leader's median takes no more (listed in the bucket's "raced"). The leader is the
+  fastest so far whose output checks (race.py): one that is wrong or raises later races no one out. Samples of one
+  repetition share the host's speed, so a slow host does not race anyone out; a raced candidate's time, the median
+  of its samples, is scaled by how much the leader's median moved after them (a host slowing later must not make
+  it look faster).
 - Eager: the host's speed moves. Before each repetition a host probe (``host_probe``: launches of a one-element
   add) times the host; a bucket's ``host_us`` is the median of its probes, its ``host`` that over the phase's
   reference probe (the lower decile of its buckets' ``host_us``: one lucky bucket does not make the rest look slow),
@@ -33,8 +36,8 @@ Timing rules (what a number in a report means):
   its contexts.
 - Checked: after the timing, what the timed plan computes (eager: two more calls, the first one's output NaN-filled
   and held during the second; graph: outputs NaN-filled, one more replay, the first and last input set) is compared
-  with the float32 reference on sampled rows (spot.spot_reference, once per bucket and set); a wrong candidate gets
-  no time in that bucket, with the reason.
+  with the float32 reference on sampled rows (spot.spot_reference, once per bucket and set; the race's leader also
+  at the race); a wrong candidate gets no time in that bucket, with the reason.
 - Eager: a sample is m consecutive ``run`` calls (host launch cost included: an engine in eager mode pays it).
   Graph: one CUDA graph per candidate and bucket holds one call per input set; a sample is m replays. A candidate
   whose capture fails gets no time in that bucket, with the reason.
@@ -44,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import statistics
@@ -62,6 +66,7 @@ from .grid import (DECODE_AXES, PREFILL_AXES, decode_grid, device_sms, feature_i
                    prefill_label, ragged_decode_grid, ragged_key, rotated_workloads)
 from .grid import RAGGED_SKEW  # noqa: F401  dispatch.py reads it as timing.RAGGED_SKEW
 from .host_probe import host_probe, host_reference
+from .race import Race
 
 log = logging.getLogger(__name__)
 AXES = {"prefill": PREFILL_AXES, "decode": DECODE_AXES, "extend": EXTEND_AXES}
@@ -82,7 +87,7 @@ PLAN_ALLOWANCE_SHARE = 0.8  # the allowance is at most this share of the most a 
 # worker's task timeout): a phase, budget plus allowance, ends within 0.9 of the timeout
 CPU_REPS = 3
 RACE_AFTER = 7  # eager: after this many samples a candidate far behind is not sampled further (module doc)
-RACE_OUT = PRUNE  # far behind: each of its samples at least this many times the fastest's median
+RACE_OUT = PRUNE  # far behind: each of its samples at least this many times the leader's median
 
 
 def reps_for(mode: str, device: torch.device) -> int:
@@ -232,7 +237,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     "spread": {name: (max - min) / median}, "errors": {name: reason}, "host_us": the median host probe (eager on
     CUDA; else None), "wall_s": {step: seconds}}: where the bucket's time went (inputs, plans and first runs,
     calibration, samples, output checks; summed per phase by measure, so that a report can say what a selection's
-    timing cost), "raced": [candidates sampled RACE_AFTER times only] where any."""
+    timing cost), "raced": [timed candidates sampled RACE_AFTER times only (race.py)] where any."""
     wall = {}
     t_step = time.perf_counter()
 
@@ -265,20 +270,27 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     samples: dict[str, list[float]] = {name: [] for name in prepared}
     order = list(prepared)
     probes_us: list[float] = []
-    raced: list[str] = []
-    for r in range(reps):
-        if r == RACE_AFTER and order:  # RACE_AFTER samples each so far: drop the candidates far behind
-            medians = [statistics.median(samples[n]) for n in order if samples[n]]
-            best = min(medians) if medians else None
-            raced = [n for n in order if best and samples[n] and min(samples[n]) >= RACE_OUT * best]
-            order = [n for n in order if n not in raced]
-        probe = host_probe(device) if mode == "eager" and order else None
+    references: dict = {}  # input set index -> spot.SpotReference, shared by the candidates
+
+    def wrong(name: str) -> bool:  # a fast wrong answer must not win: check what the timed plan computed
+        reason = _timed_output_reason(prepared[name], spec, phase, plan_args, sets, device, references)
+        if reason:
+            errors[name] = f"wrong output after the timed {mode} runs: {reason}"
+            del prepared[name]
+        return bool(reason)
+
+    race, racing = Race(RACE_AFTER, RACE_OUT), mode == "eager" and reps > RACE_AFTER
+    for r in itertools.count():  # until every candidate still timed and not raced out has its reps samples
+        if racing and r >= RACE_AFTER and race.leader not in prepared:  # raced again when the leader is gone
+            race.run(samples, [n for n in order if n in prepared], wrong)
+        active = [n for n in order if n in prepared and n not in race.out and len(samples[n]) < reps]
+        if not active:
+            break
+        probe = host_probe(device) if mode == "eager" else None
         if probe is not None:
             probes_us.append(probe * 1e6)
-        shift = r % len(order) if order else 0
-        for name in order[shift:] + order[:shift]:
-            if name not in prepared:
-                continue
+        shift = r % len(active)
+        for name in active[shift:] + active[:shift]:
             item = prepared[name]
             try:
                 samples[name].append(_sample(item, cursor, device))
@@ -287,17 +299,14 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
                 del prepared[name]
             cursor += item.repeat
     lap("samples")
-    references: dict = {}  # input set index -> spot.SpotReference, shared by the candidates
-    for name, item in list(prepared.items()):  # a fast wrong answer must not win: check what the timed plan computed
-        reason = _timed_output_reason(item, spec, phase, plan_args, sets, device, references)
-        if reason:
-            errors[name] = f"wrong output after the timed {mode} runs: {reason}"
-            del prepared[name]
+    for name in list(prepared):
+        wrong(name)
+    timed = {name for name in prepared if samples[name]}
     us, spread = {}, {}
     for name, values in samples.items():
-        if name in prepared and values:
+        if name in timed:
             med = statistics.median(values)
-            us[name] = med * 1e6
+            us[name] = race.seconds(name, samples, timed) * 1e6
             spread[name] = (max(values) - min(values)) / med if med > 0 else 0.0
     lap("checks")
     del prepared, sets
@@ -306,7 +315,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     lap("freeing")
     return {"us": us, "spread": spread, "errors": errors,
             "host_us": statistics.median(probes_us) if probes_us else None, "wall_s": wall,
-            **({"raced": sorted(raced)} if raced else {})}
+            **({"raced": sorted(n for n in race.out if n in us)} if set(race.out) & set(us) else {})}
 
 
 def _timed_output_reason(item: _Timed, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple],
