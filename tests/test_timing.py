@@ -533,7 +533,7 @@ def test_a_candidate_without_a_time_races_no_one_out(monkeypatch, leader, reason
 
 
 def test_a_raced_candidate_stays_behind_when_the_host_slows_after_the_race(monkeypatch):
-    """A raced candidate's samples come from the first RACE_AFTER repetitions only. The host slowing 2x after them
+    """A raced candidate's samples come from the first RACE_AFTER repetitions only. The host slowing 6x after them
     (every candidate alike) must not make a candidate 1.5x behind look faster than the leader, whose later samples
     took the slowdown: its time follows the leader's median over the same repetitions."""
     import time as clock
@@ -552,12 +552,14 @@ def test_a_raced_candidate_stays_behind_when_the_host_slows_after_the_race(monke
 
             def slowed(q, k, v):
                 host["calls"] += 1
-                clock.sleep(self.seconds * (2 if host["calls"] > before_race else 1))
+                clock.sleep(self.seconds * (6 if host["calls"] > before_race else 1))
                 return run(q, k, v)
 
             return slowed
 
-    cands = {"fast": HostBound("fast", 0.002), "far": HostBound("far", 0.003)}
+    # far 4x behind (far past RACE_OUT, whatever the loaded host adds to a call), then the host 6x slower: by its
+    # own samples far would look faster than fast
+    cands = {"fast": HostBound("fast", 0.005), "far": HostBound("far", 0.02)}
     out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=21)
     assert out["raced"] == ["far"] and not out["errors"]
     assert out["us"]["far"] > 1.2 * out["us"]["fast"], out["us"]
