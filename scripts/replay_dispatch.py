@@ -258,8 +258,7 @@ def heldout(path: Path, without: tuple[str, ...] = ()) -> None:
     """A held-out run's eager cells (prefill, decode, extend) replayed on its own selections' tables (``without``:
     these lookup rules switched off), each looked up as the bench dispatched it (bench_cells.HeldoutCell.key: a
     ragged decode or an extend batch by its means and its longest row; module doc)."""
-    from attnsel.validate import grid
-    from attnsel.validate.extend_grid import extend_key
+    from attnsel.bench_cells import HeldoutCell
 
     data = json.loads(path.read_text())
     # by spec: a spec whose selection failed has no record (bench.select_modes), so the order does not pair them
@@ -275,15 +274,8 @@ def heldout(path: Path, without: tuple[str, ...] = ()) -> None:
             mine = [r for r in rows if r["spec"] == spec]
             now = []
             for r in mine:
-                lens = list(r["lens"])
-                if phase == "prefill":
-                    name = table.backend_for(grid.prefill_key(lens))
-                elif phase == "extend":
-                    name = table.backend_for(extend_key(r["batch"], sum(r["q_lens"]), sum(lens)), max(lens))
-                elif r["ragged"]:
-                    name = table.backend_for(grid.ragged_key(lens), max(lens))
-                else:
-                    name = table.backend_for((r["batch"], lens[0]))
+                key = HeldoutCell(phase, tuple(r["lens"]), bool(r.get("ragged")), tuple(r.get("q_lens") or ())).key
+                name = table.backend_for(key[:len(table.axes)], *key[len(table.axes):])  # the longest row, if keyed
                 now.append(r["ratios"].get(name, math.inf))
                 if name != r["selected"]:
                     was = f"{r['selected_ratio']:.2f}x" if r["selected_ratio"] else "no time"
