@@ -62,10 +62,12 @@ def _host_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_longest(longest: int, bound: int, max_seq_len: int | None, pages: int, page_size: int, rows: int,
+def check_longest(longest: int, max_seq_len: int | None, pages: int, page_size: int, rows: int,
                   context_tokens: int | None, noun: str) -> None:
     """plan_decode's and plan_extend's ``longest`` against their other host ints: within the bound on every row
-    (``max_seq_len``, else the page table's reach), at least the mean context; ``noun``: what the rows are called."""
+    (``max_seq_len``, else the page table's reach: ``pages`` of ``page_size``), at least the mean context;
+    ``noun``: what the rows are called."""
+    bound = max_seq_len if max_seq_len is not None else pages * page_size
     if longest > bound:
         what = (f"max_seq_len={max_seq_len}" if max_seq_len is not None
                 else f"the page table's reach {bound} ({pages} pages of {page_size})")

@@ -229,9 +229,8 @@ class Selection:
             raise InvalidArgument("longest: expected None or a non-negative Python int (the batch's longest "
                                   f"context, exact), got {longest!r}")
         if longest is not None:  # host ints that contradict each other: one of them is wrong
-            reach = page_table.shape[1] * self.spec.page_size
-            check_longest(longest, max_seq_len if max_seq_len is not None else reach, max_seq_len,
-                          page_table.shape[1], self.spec.page_size, seq_lens.shape[0], context_tokens, "rows")
+            check_longest(longest, max_seq_len, page_table.shape[1], self.spec.page_size, seq_lens.shape[0],
+                          context_tokens, "rows")
         pages_needed = (metadata_values.check_decode(page_table, seq_lens, max_seq_len, self.spec.page_size,
                                                         self.spec.sliding_window, longest)
                         if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
@@ -289,8 +288,8 @@ class Selection:
         requests = seq_lens.shape[0]
         bound = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.spec.page_size
         if longest is not None:  # host ints that contradict each other: one of them is wrong
-            check_longest(longest, bound, max_seq_len, page_table.shape[1], self.spec.page_size, requests,
-                          context_tokens, "requests")
+            check_longest(longest, max_seq_len, page_table.shape[1], self.spec.page_size, requests, context_tokens,
+                          "requests")
         pages_needed = (metadata_values.check_extend(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound,
                                                      self.spec.page_size, total_q, self.spec.sliding_window, longest)
                         if metadata_values.enabled() else None)  # opt-in: one host copy per plan (see metadata_values)
