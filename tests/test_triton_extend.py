@@ -229,6 +229,41 @@ def test_tiles_follow_query_rows():
         assert extend_tiles(128, 128, 512).block_q == 2  # a group past the tile: still more than one query
 
 
+def test_split_plan_follows_the_batchs_own_lengths(monkeypatch):
+    """An eager plan sizes its splits on the batch's lengths (one host read): in a ragged batch of many short rows
+    and one long one, the long row gets the splits its share of the tokens calls for (sized for every row at the
+    longest it got one, and ran alone in one program per head). A plan made during capture reads nothing and
+    sizes for the bound. The split count is checked with an H100's 132 SMs; the run is judged by the reference."""
+    import attnsel.backends.support as support
+
+    real, seen = tb.decode_splits, []
+
+    def spy(programs, kv_heads, longest, total, block_n, sms):
+        seen.append((programs, longest, total))
+        return real(programs, kv_heads, longest, total, block_n, 132 if sms is None else sms)
+
+    monkeypatch.setattr(tb, "decode_splits", spy)
+    spec = _spec(page=16)  # group 4: two queries are one short tile per row
+    q_lens, seq_lens = [2] * 39 + [2], [40] * 39 + [1500]
+    case = _case(spec, CPU, q_lens, seq_lens)
+    run, out = _run(case)
+    assert seen[-1] == (40, 1500, 39 * 40 + 1500), seen
+    assert run.splits > 1, "the long row of a ragged batch gets splits"
+    case.check(out)
+
+    monkeypatch.setattr(support, "capturing", lambda t: True)
+
+    def no_host_read(*args):
+        raise AssertionError("host read of a device tensor while planning during capture")
+
+    with monkeypatch.context() as m:
+        for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"):
+            m.setattr(torch.Tensor, name, no_host_read)
+        case.plan(get("triton"))
+    span = min(case.max_seq_len, case.page_table.shape[1] * spec.page_size)
+    assert seen[-1] == (40, span, 40 * span), seen
+
+
 EXTEND_COMPILE_CHECKS = ["extend short split merge", "extend merge ordered", "extend long all",
                          "extend fp8 operands in words", "extend reduce sinks"]
 

@@ -3,9 +3,10 @@
 Short query rows (multi-token decode, speculative verify: a row's queries times its KV head's query heads fit one
 tile of at most SHORT_TILE_ROWS rows) run as decode does: one tile per row and KV head, the keys split across
 programs and merged by log-sum-exp. Long rows (chunked prefill, a prompt-cache hit) are cut into tiles of
-prefill's size, split only where the tiles alone leave the GPU short of programs. Tiles and splits come from host
-sizes (max_seqlen_q, max_seq_len, batch): the plan reads no device tensor (no sync; it may be made during CUDA-graph
-capture), and every run reads cu_seqlens_q, seq_lens and the page table afresh (the CUDA-graph contract).
+prefill's size, split only where the tiles alone leave the GPU short of programs. Tiles come from host sizes
+(max_seqlen_q, max_seq_len, batch); the split count from the lengths too in an eager plan (one read of seq_lens, as
+plan_decode's), from the bounds alone in one made during CUDA-graph capture (no read). Every run reads cu_seqlens_q,
+seq_lens and the page table afresh (the CUDA-graph contract): the kernel spreads each row's keys over the splits.
 """
 from __future__ import annotations
 
@@ -89,8 +90,17 @@ def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: tor
     span = max(span, 1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
     programs = batch * q_tiles  # per KV head: the split plan treats each tile as decode treats a row
-    splits, target, min_chunk = decode_splits(max(programs, 1), spec.num_kv_heads, span, max(programs, 1) * span,
-                                              tiles.block_n, sms)
+    longest, total = span, max(programs, 1) * span  # during capture: every row as long as the bound allows
+    if batch and not support.capturing(seq_lens):
+        # eager: the batch's own lengths, one read (as plan_decode's). Sized for every row at the longest, a ragged
+        # batch of many short rows and a few long ones got one split per tile, and its long rows ran alone in one
+        # program each (2.2x behind FA3's split kernel on such a batch, see the results file). The total is what
+        # the kernel computes at run time: every row's keys (within the window) once per query tile.
+        spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)
+        most, summed = torch.stack((spans.max().long(), spans.sum().long())).tolist()
+        longest, total = max(1, min(span, most)), max(1, q_tiles * summed)
+    splits, target, min_chunk = decode_splits(max(programs, 1), spec.num_kv_heads, longest, total, tiles.block_n,
+                                              sms)
     if tiles.long:
         splits = min(splits, LONG_SPLITS_MAX)
     # the kernel sums the rows' lengths (one per row, not per tile): its target is per row
