@@ -95,7 +95,8 @@ class Settings:
     timing_budget_s: float = _seconds_var("ATTNSEL_TIMING_BUDGET_S", 75.0)  # bucket timing per selection,
     # shared by the timed phases (25 s each of prefill, decode and extend)
     flashinfer_workspace_mb: int = _var("ATTNSEL_FLASHINFER_WORKSPACE_MB", 128, _whole(8),
-                                        "a whole number of MiB, at least 8 (default 128)")
+                                        "a whole number of MiB, at least 8 (default 128; a spec whose FlashInfer "
+                                        "plans may need more gets more)")
     check_metadata: bool = _var("ATTNSEL_CHECK_METADATA", False, _flag,
                                 "1/true/yes/on (check plan metadata values, one host copy per plan) or "
                                 "0/false/no/off (trust them, the default)")

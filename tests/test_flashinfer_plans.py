@@ -140,3 +140,31 @@ def test_host_scalar_reads_inference_tensors_every_call():
         scale.fill_(3.0)  # no version counter moves
         assert read(scale) == 3.0
     assert read(normal) == 0.25
+
+
+def test_workspace_holds_what_a_plan_of_the_spec_may_take(fake_flashinfer, monkeypatch):
+    """FlashInfer's plans carve their partial outputs out of the float workspace and raise when they do not fit: on
+    an H100 (132 SMs), a split-KV FA2 prefill of 8 query heads over 1 KV head (head_dim 128) asked for 136314880
+    bytes of partial outputs and then 1044480 of log-sum-exps, past 128 MiB, and the backend was rejected for the
+    spec. The workspace a plan gets is now at least what the spec's plans may take on that GPU, and the setting stays
+    the floor (no more memory for specs that fit)."""
+    h100 = 132
+    assert fi.plan_bytes(AttentionSpec(8, 1, 128), h100) >= 136314880 + 1044480
+    for q, kv in ((32, 8), (28, 4), (40, 8), (48, 8)):  # the specs that fit 128 MiB keep it
+        assert fi.plan_bytes(AttentionSpec(q, kv, 128), h100) <= 128 << 20
+    # the attention-sink variant always takes 4 x SMs x 144 splits of partial outputs per KV head
+    assert fi.plan_bytes(AttentionSpec(32, 8, 128, sinks=True), h100) >= 4 * h100 * 144 * 8 * (128 * 2 + 4)
+
+    seen = []
+
+    class Wrapper(FakePrefillWrapper):
+        def __init__(self, workspace, layout, backend="auto"):
+            seen.append(workspace.numel())
+
+    monkeypatch.setattr(fake_flashinfer, "BatchPrefillWithRaggedKVCacheWrapper", Wrapper, raising=False)
+    monkeypatch.setattr(fi, "_sms", lambda device: h100)
+    monkeypatch.setattr(fi, "_workspace", lambda device, nbytes: torch.empty(nbytes, dtype=torch.uint8, device="meta"))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    fi.BACKEND_FA2.plan_prefill(AttentionSpec(8, 1, 128), cu, cu, 5, 5)
+    fi.BACKEND_FA2.plan_prefill(AttentionSpec(4, 2, 16), cu, cu, 5, 5)
+    assert seen[0] >= fi.plan_bytes(AttentionSpec(8, 1, 128), h100) and seen[1] == 8 << 20, seen

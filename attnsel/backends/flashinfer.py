@@ -19,9 +19,9 @@ sink to the first KV tile's softmax state; extend plans it as it comes, decode w
 with the ragged k/v viewed as a paged cache of page size 1. That variant has no softcap and no fp8 dequantisation:
 declined with sinks.
 
-Workspace: one zeroed float buffer per device of ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
-recommendation for real batches), used for validation and serving alike, shared by the wrappers of the device (their
-runs go on one stream). A wrapper holds one plan, and every live run function owns its wrapper (``_take``): a later
+Workspace: one zeroed float buffer per device and size: ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
+recommendation for real batches), or more where a spec's plans may need more on this GPU (``plan_bytes``), used for
+validation and serving alike, shared by the wrappers of the device (their runs go on one stream). A wrapper holds one plan, and every live run function owns its wrapper (``_take``): a later
 plan takes another wrapper from a pool per device and variant, so a run function, and a CUDA graph captured from
 it, stays valid as long as it is kept.
 FlashInfer JIT-compiles kernels on first use (minutes on a fresh machine) into ``jit_cache_dir()``.
@@ -52,9 +52,33 @@ SINKS_WHY = ("FlashInfer 0.6.4 takes sinks only in its trtllm-gen (Blackwell) pa
              "variant, which attnsel uses for the flashinfer candidate only")
 
 
-def workspace_bytes() -> int:
-    """FlashInfer's float workspace in bytes ($ATTNSEL_FLASHINFER_WORKSPACE_MB, settings.Settings)."""
-    return settings.read("flashinfer_workspace_mb") << 20
+def workspace_bytes(spec: AttentionSpec | None = None, device: torch.device | None = None) -> int:
+    """FlashInfer's float workspace in bytes: $ATTNSEL_FLASHINFER_WORKSPACE_MB (settings.Settings), raised to the
+    most a plan of ``spec`` may carve out of it on ``device`` (``plan_bytes``). FlashInfer does not grow the buffer:
+    a plan whose partial outputs do not fit raises, so a fixed size served some shapes of a spec and failed others
+    (an 8-query-head, 1-KV-head spec overflowed 128 MiB on an H100)."""
+    floor = settings.read("flashinfer_workspace_mb") << 20
+    sms = _sms(device) if device is not None else None
+    return floor if spec is None or sms is None else max(floor, plan_bytes(spec, sms))
+
+
+def plan_bytes(spec: AttentionSpec, sms: int) -> int:
+    """The most float workspace FlashInfer's plans take for ``spec`` on a GPU of ``sms`` multiprocessors, rounded up
+    to whole MiB (FlashInfer's scheduler.cuh). A split-KV FA2 prefill or extend plan: partial outputs and log-sum-exps
+    of num_q_heads x (2 x sms // num_kv_heads) work tiles (two CTAs per SM, shared by the KV heads) x 128 query rows
+    (64 from head_dim 256) x (head_dim + 1) floats. The attention-sink variant (a persistent kernel) always takes
+    4 x sms x (128 + 16) splits x num_kv_heads x (head_dim outputs in the query dtype + one float)."""
+    tile = 128 if spec.head_dim < 256 else 64
+    need = spec.num_q_heads * (2 * sms // spec.num_kv_heads) * tile * (spec.head_dim + 1) * 4
+    if spec.sinks:
+        splits = 4 * sms * (128 + 16)
+        need = max(need, splits * spec.num_kv_heads * (spec.head_dim * spec.torch_dtype.itemsize + 4))
+    need += 4 * 16  # each allocation aligned to 16 bytes
+    return -(-need >> 20) << 20
+
+
+def _sms(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def jit_cache_dir() -> str:
@@ -264,7 +288,8 @@ class FlashInferBackend:
     def _plan_prefill(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> RunFn:
         if spec.sinks:
             return self._plan_prefill_sinks(spec, cu_seqlens_q, cu_seqlens_k)
-        wrapper, hold = _wrapper(cu_seqlens_q.device, "prefill", workspace_bytes(), self.prefill_template, spec)
+        device = cu_seqlens_q.device
+        wrapper, hold = _wrapper(device, "prefill", workspace_bytes(spec, device), self.prefill_template, spec)
         # private copies: FlashInfer's plan keeps the indptr tensors it is given and its run reads them, so a caller
         # that rewrites its cu_seqlens in place would change what this plan (or a graph captured from it) reads
         wrapper.plan(cu_seqlens_q.to(torch.int32, copy=True), cu_seqlens_k.to(torch.int32, copy=True), spec.num_q_heads,
@@ -284,8 +309,8 @@ class FlashInferBackend:
                             ) -> RunFn:
         """Ragged k/v [total_k, kvh, d] as a paged cache of page size 1: page i is key row i."""
         device = cu_seqlens_q.device
-        wrapper, hold = _sink_wrapper(device, "prefill", workspace_bytes(), spec.torch_dtype, spec.torch_dtype,
-                                      spec.head_dim, _window_left(spec))
+        wrapper, hold = _sink_wrapper(device, "prefill", workspace_bytes(spec, device), spec.torch_dtype,
+                                      spec.torch_dtype, spec.head_dim, _window_left(spec))
         cu_q, cu_k = cu_seqlens_q.to(torch.int32, copy=True), cu_seqlens_k.to(torch.int32, copy=True)  # see above
         total_k = int(cu_k[-1])
         indices = torch.arange(total_k, dtype=torch.int32, device=device)
@@ -305,8 +330,9 @@ class FlashInferBackend:
     def _plan_paged_sinks(self, spec: AttentionSpec, phase: str, qo_indptr: torch.Tensor, page_table: torch.Tensor,
                           seq_lens: torch.Tensor) -> RunFn:
         """The attention-sink wrapper over the paged cache: decode (one query per row) and extend."""
-        wrapper, hold = _sink_wrapper(seq_lens.device, phase, workspace_bytes(), spec.torch_dtype, spec.kv_torch_dtype,
-                                      spec.head_dim, _window_left(spec))
+        device = seq_lens.device
+        wrapper, hold = _sink_wrapper(device, phase, workspace_bytes(spec, device), spec.torch_dtype,
+                                      spec.kv_torch_dtype, spec.head_dim, _window_left(spec))
         indptr, indices, last, blind = _extend_layout(qo_indptr, page_table, seq_lens, spec.page_size)
         wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
                      spec.page_size, causal=spec.causal, sm_scale=spec.scale, window_left=_window_left(spec),
@@ -326,8 +352,8 @@ class FlashInferBackend:
         if spec.sinks:
             qo_indptr = torch.arange(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
             return self._plan_paged_sinks(spec, "decode", qo_indptr, page_table, seq_lens)
-        wrapper, hold = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(), self.decode_template,
-                                 spec)
+        wrapper, hold = _wrapper(seq_lens.device, self.decode_kind, workspace_bytes(spec, seq_lens.device),
+                                 self.decode_template, spec)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, spec.page_size)
         wrapper.plan(indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
                      window_left=_window_left(spec), logits_soft_cap=spec.softcap, sm_scale=spec.scale,
@@ -353,7 +379,8 @@ class FlashInferBackend:
         qo_indptr = cu_seqlens_q.to(torch.int32, copy=True)  # private: FlashInfer's run reads the tensor it was given
         if spec.sinks:
             return self._plan_paged_sinks(spec, "extend", qo_indptr, page_table, seq_lens)
-        wrapper, hold = _wrapper(seq_lens.device, "extend", workspace_bytes(), self.prefill_template, spec)
+        wrapper, hold = _wrapper(seq_lens.device, "extend", workspace_bytes(spec, seq_lens.device),
+                                 self.prefill_template, spec)
         indptr, indices, last, blind = _extend_layout(qo_indptr, page_table, seq_lens, spec.page_size)
         wrapper.plan(qo_indptr, indptr, indices, last, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
                      spec.page_size, causal=spec.causal, sm_scale=spec.scale, window_left=_window_left(spec),
