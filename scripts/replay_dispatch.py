@@ -38,6 +38,15 @@ from attnsel.spec import AttentionSpec  # noqa: E402
 WITHIN = bench.WITHIN
 
 
+def load(path: Path) -> dict:
+    """A bench JSON, plain or xz-compressed (``.json.xz``: large raw runs are kept compressed in bench/results)."""
+    if path.suffix == ".xz":
+        import lzma
+
+        return json.loads(lzma.decompress(path.read_bytes()))
+    return json.loads(path.read_text())
+
+
 def score(ratios: list[float]) -> str:
     within = sum(r <= 1 + WITHIN for r in ratios)
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
@@ -47,7 +56,7 @@ def score(ratios: list[float]) -> str:
 def replay(path: Path, without: tuple[str, ...] = ()) -> dict:
     """Per phase: the recorded choices' score, the current rules' score (``without``: these rules switched off,
     DispatchTable.without) and the cells whose choice differs, with their ratios."""
-    data = json.loads(path.read_text())
+    data = load(path)
     out = {}
     for phase, rows in _picks(data, path, without).items():
         recorded = [r["selected_ratio"] for r, _, _ in rows]
@@ -97,7 +106,7 @@ def rules(paths: list[Path]) -> None:
     has_ragged = False  # whether the decode tables hold a ragged sub-table (older grids do not)
     disagree, judged = 0, 0
     for path in paths:
-        data = json.loads(path.read_text())
+        data = load(path)
         has_ragged |= bool(data["selections"][0]["dispatch"]["decode"].get("ragged"))
         picks = {c: _picks(data, path, c) for c in cols}
         for phase in picks[()]:
@@ -141,7 +150,7 @@ def ragged(paths: list[Path]) -> None:
     ragged sub-table serves its own bucket's winner there: in-sample for it, out of sample for the uniform table)."""
     ratios = []
     for path in paths:
-        table = DispatchTable.from_json(json.loads(path.read_text())["selections"][0]["dispatch"]["decode"])
+        table = DispatchTable.from_json(load(path)["selections"][0]["dispatch"]["decode"])
         if table.ragged is None:
             raise SystemExit(f"{path}: no ragged sub-table (an eager decode table of grid version 4 or later has one)")
         uniform = table.without("ragged")
@@ -158,11 +167,11 @@ def runs(a: Path, b: Path) -> tuple[int, int]:
     both). For benches of one pass, how far the bench agrees with itself between runs."""
     def times(path: Path) -> dict:
         out: dict = {}
-        for c in json.loads(path.read_text())["cells"]:
+        for c in load(path)["cells"]:
             if c["us"]:
                 out.setdefault((c["phase"], c["shape"], c["mode"]), {})[c["backend"]] = c["us"]
         return out
-    specs = {json.dumps(json.loads(p.read_text())["cells"][0]["spec"], sort_keys=True) for p in (a, b)}
+    specs = {json.dumps(load(p)["cells"][0]["spec"], sort_keys=True) for p in (a, b)}
     if len(specs) > 1:
         raise SystemExit(f"{a} and {b}: not one spec")
     ta, tb = times(a), times(b)
@@ -197,7 +206,7 @@ def passes(paths: list[Path]) -> None:
     tot: dict = {}
     missing = 0
     for path in paths:
-        data = json.loads(path.read_text())
+        data = load(path)
         for r in data["comparison"]:
             cells = _row_cells(data, r)
             counts = {len(c.get("passes") or ()) for c in cells.values()}
@@ -235,7 +244,7 @@ def drift(a: Path, b: Path) -> None:
     percentile, largest) and how often run a's winner of a bucket was within 3% in run b."""
     tables = []
     for path in (a, b):
-        sel = json.loads(path.read_text())["selections"][0]
+        sel = load(path)["selections"][0]
         tables.append({ph: {tuple(bk["key"]): bk["times_us"] for bk in sel["dispatch"][ph]["buckets"]}
                        for ph in ("prefill", "decode")})
     for ph in ("prefill", "decode"):
@@ -260,7 +269,7 @@ def heldout(path: Path, without: tuple[str, ...] = ()) -> None:
     ragged decode or an extend batch by its means and its longest row; module doc)."""
     from attnsel.bench_cells import HeldoutCell
 
-    data = json.loads(path.read_text())
+    data = load(path)
     # by spec: a spec whose selection failed has no record (bench.select_modes), so the order does not pair them
     tables = {bench.spec_label(s["spec"]): s.get("dispatch") or {} for s in data["selections"] if s["mode"] == "eager"}
     for phase in ("prefill", "decode", "extend"):
@@ -325,7 +334,7 @@ def main(args: list[str]) -> None:
         args = args[2:]
     if without:
         for p in args:
-            data = json.loads(Path(p).read_text())
+            data = load(Path(p))
             full, off = _picks(data, Path(p)), _picks(data, Path(p), tuple(without))
             for phase in full:
                 print(f"{p} {phase}\n  all rules: {score([x for _, _, x in full[phase]])}\n  without "

@@ -2,11 +2,13 @@
 each strategy's cells within 3% of the fastest, geometric mean and worst; then every cell over 1.03x.
 Usage: python3 summary.py (from this folder; needs only the standard library)."""
 import json
+import lzma
 import math
 from pathlib import Path
 
 STRATEGIES = ("selected", "one_backend", "static", "batch_bound")
-rows = [r for f in ("both-40-48.json", "both-32.json") for r in json.loads(Path(f).read_text())["comparison"]]
+rows = [r for f in ("both-40-48.json.xz", "both-32.json.xz")
+        for r in json.loads(lzma.decompress(Path(f).read_bytes()))["comparison"]]
 for phase in ("prefill", "decode"):
     for mode in ("eager", "graph"):
         cells = [r for r in rows if r["phase"] == phase and r["mode"] == mode]
