@@ -102,17 +102,27 @@ def test_a_candidate_fast_and_wrong_when_timed_gets_no_time(phase, shape, mode, 
     bucket: the timing checks what the timed plan computed. Graph mode on CPU: the capture is a loop of calls."""
     from tests.fixtures import fault_numerics as faults
 
+    import attnsel.backends.torch_sdpa as torch_sdpa
+
+    capturing = [False]  # the captured calls run as captured ones: they read the metadata of each replay
+
     class ReplayLoop:  # what a CUDA graph does on replay: the captured calls write into the captured outputs
         def __init__(self, run, sets):
             self.run, self.sets = run, sets
+            run(*sets[0])  # the warm-up outside capture
+            capturing[0] = True
             self.outs = [run(*s) for s in sets]
+            capturing[0] = False
 
         def replay(self):
+            capturing[0] = True
             for out, s in zip(self.outs, self.sets):
                 out.copy_(self.run(*s))
+            capturing[0] = False
 
     if mode == "graph":
         monkeypatch.setattr(timing, "capture", lambda run, sets, device: (lambda g: (g, g.outs))(ReplayLoop(run, sets)))
+        monkeypatch.setattr(torch_sdpa, "capturing", lambda t: capturing[0])
     monkeypatch.setattr(bucket_grid, "num_sets", lambda nbytes, device: 3)
     cands = {"torch": TORCH, "stale_when_timed": faults.STALE_WHEN_TIMED, "skip_work": faults.SKIP_WORK,
              "one_buffer": faults.ONE_BUFFER}
@@ -563,3 +573,45 @@ def test_a_raced_candidate_stays_behind_when_the_host_slows_after_the_race(monke
     out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=21)
     assert out["raced"] == ["far"] and not out["errors"]
     assert out["us"]["far"] > 1.2 * out["us"]["fast"], out["us"]
+
+
+def test_graph_timing_plans_on_the_lengths_engines_capture_with(monkeypatch):
+    """Engines plan a graph's batch on dummy lengths (decode: 1 token per sequence), capture, then write each step's
+    lengths into the planned tensor before replay. The timing does the same, so that a plan-time choice made from
+    the lengths (Triton's split count) is the one an engine replays, not one made for the bucket's own lengths."""
+    from attnsel.validate.engine_capture import capture_args
+
+    seen = {}
+
+    class Recording:
+        name = "recording"
+
+        def plan_decode(self, spec, page_table, seq_lens):
+            seen["planned"] = seq_lens.tolist()
+
+            def run(q, k, v):
+                seen.setdefault("runs", []).append(seq_lens.tolist())  # what a replay reads
+                return torch.zeros_like(q)
+
+            return run
+
+    monkeypatch.setattr(timing, "capture", lambda run, sets, device: (
+        types.SimpleNamespace(replay=lambda: run(*sets[0])), [run(*s) for s in sets]))
+    plan_args, sets = bucket_grid.rotated_workloads(SPEC, "decode", (2, 32), torch.device("cpu"))
+    item = timing._prepare(Recording(), SPEC, "decode", plan_args, sets, "graph", torch.device("cpu"))
+    item.unit(0)
+    assert seen["planned"] == [1, 1] and seen["runs"][0] == [1, 1], seen  # planned and captured as engines do
+    assert seen["runs"][-1] == plan_args[1].tolist() == [32, 32], seen  # replayed on the bucket's lengths
+    eager = timing._prepare(Recording(), SPEC, "decode", plan_args, sets, "eager", torch.device("cpu"))
+    eager.unit(0)
+    assert seen["planned"] == [32, 32]  # eager plans on the batch's own lengths
+
+    # extend: each row's queries (at least 1 where it has keys); rows of 0 tokens stay 0 (CUDA-graph padding)
+    cu_q = torch.tensor([0, 2, 2, 5, 5], dtype=torch.int32)
+    lens = torch.tensor([40, 7, 3, 0], dtype=torch.int32)
+    args, fill = capture_args("extend", (cu_q, "table", lens, 3, 40))
+    assert args[2].tolist() == [2, 1, 3, 0] and args[2] is not lens and args[:2] == (cu_q, "table")
+    fill()
+    assert args[2].tolist() == [40, 7, 3, 0]
+    args, fill = capture_args("prefill", (cu_q, cu_q, 3, 3))
+    assert args == (cu_q, cu_q, 3, 3)

@@ -39,7 +39,8 @@ Timing rules (what a number in a report means):
   with the float32 reference on sampled rows (spot.spot_reference, once per bucket and set; the race's leader also
   at the race); a wrong candidate gets no time in that bucket, with the reason.
 - Eager: a sample is m consecutive ``run`` calls (host launch cost included: an engine in eager mode pays it).
-  Graph: one CUDA graph per candidate and bucket holds one call per input set; a sample is m replays. A candidate
+  Graph: one CUDA graph per candidate and bucket holds one call per input set, planned and captured on the
+  lengths engines capture with, then given the bucket's (engine_capture); a sample is m replays. A candidate
   whose capture fails gets no time in that bucket, with the reason.
 """
 from __future__ import annotations
@@ -59,6 +60,7 @@ import torch
 from ..spec import AttentionSpec
 from . import TIMING_TASK  # noqa: F401 (timing.TIMING_TASK: the worker's and the selector's name for it)
 from .cases import clear_output
+from .engine_capture import capture_args
 from .spot import spot_compare, spot_reference
 from ..backends import planner
 from .extend_grid import EXTEND_AXES, extend_grid, extend_label
@@ -166,9 +168,13 @@ class _Timed:
 def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple], mode: str,
              device: torch.device) -> _Timed:
     plan = planner(backend, phase)
+    fill = None
+    if mode == "graph":  # planned and captured on the lengths engines capture with, replayed on the bucket's
+        plan_args, fill = capture_args(phase, plan_args)
     run = functools.partial(plan(spec, *plan_args), **feature_inputs(spec, phase, device))
     if mode == "graph":
         graph, outs = capture(run, sets, device)
+        fill()
 
         def replayed() -> list[tuple[int, torch.Tensor]]:
             """After the timed replays: NaN into the outputs, one more replay; the first and last set's outputs (the
