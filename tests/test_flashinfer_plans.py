@@ -152,8 +152,8 @@ def test_workspace_holds_what_a_plan_of_the_spec_may_take(fake_flashinfer, monke
     assert fi.plan_bytes(AttentionSpec(8, 1, 128), h100) >= 136314880 + 1044480
     for q, kv in ((32, 8), (28, 4), (40, 8), (48, 8)):  # the specs that fit 128 MiB keep it
         assert fi.plan_bytes(AttentionSpec(q, kv, 128), h100) <= 128 << 20
-    # the attention-sink variant always takes 4 x SMs x 144 splits of partial outputs per KV head
-    assert fi.plan_bytes(AttentionSpec(32, 8, 128, sinks=True), h100) >= 4 * h100 * 144 * 8 * (128 * 2 + 4)
+    # the attention-sink wrapper plans as the paged prefill does (tests/test_flashinfer_workspace.py)
+    assert fi.plan_bytes(AttentionSpec(32, 8, 128, sinks=True), h100) == fi.plan_bytes(AttentionSpec(32, 8, 128), h100)
 
     seen = []
 

@@ -64,15 +64,13 @@ def workspace_bytes(spec: AttentionSpec | None = None, device: torch.device | No
 
 def plan_bytes(spec: AttentionSpec, sms: int) -> int:
     """The most float workspace FlashInfer's plans take for ``spec`` on a GPU of ``sms`` multiprocessors, rounded up
-    to whole MiB (FlashInfer's scheduler.cuh). A split-KV FA2 prefill or extend plan: partial outputs and log-sum-exps
-    of num_q_heads x (2 x sms // num_kv_heads) work tiles (two CTAs per SM, shared by the KV heads) x 128 query rows
-    (64 from head_dim 256) x (head_dim + 1) floats. The attention-sink variant (a persistent kernel) always takes
-    4 x sms x (128 + 16) splits x num_kv_heads x (head_dim outputs in the query dtype + one float)."""
+    to whole MiB (FlashInfer's scheduler.cuh). A split-KV FA2 plan (PrefillPlan: prefill, extend, tensor-core decode,
+    and the attention-sink wrapper, a BatchPrefillWithPagedKVCacheWrapper): partial outputs and log-sum-exps of
+    num_q_heads x (2 x sms // num_kv_heads) work tiles (two CTAs per SM, shared by the KV heads) x 128 query rows
+    (64 from head_dim 256) x (head_dim + 1) floats. CUDA-core decode (DecodePlan: at most 32 blocks per SM, one row
+    of head_dim + 1 floats per tile) and the FA3 template (no float workspace) take less."""
     tile = 128 if spec.head_dim < 256 else 64
     need = spec.num_q_heads * (2 * sms // spec.num_kv_heads) * tile * (spec.head_dim + 1) * 4
-    if spec.sinks:
-        splits = 4 * sms * (128 + 16)
-        need = max(need, splits * spec.num_kv_heads * (spec.head_dim * spec.torch_dtype.itemsize + 4))
     need += 4 * 16  # each allocation aligned to 16 bytes
     return -(-need >> 20) << 20
 
