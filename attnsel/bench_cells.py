@@ -189,14 +189,14 @@ def draw_extend(rng: np.random.Generator, mode: str, token_cap: int = DECODE_TOK
 def timed_points(spec: AttentionSpec, phase: str, mode: str, sms: int | None) -> set[tuple[int, ...]]:
     """The table points the selection times for ``spec`` on a GPU of ``sms`` multiprocessors (no memory limit: a
     superset of any device's grid): prefill (sequences, total, longest); decode (batch, context), the ragged buckets'
-    (batch, mean) included in eager mode."""
+    (batch, mean) included."""
     cuda = torch.device("cuda")  # the GPU grids (the CPU ones are tiny); no device is touched
     if phase == "prefill":
         return {grid.prefill_key(lens) for _, lens in grid.prefill_grid(spec, cuda)}
     if phase == "extend":
         return {shape if mode == "eager" else shape[:1] for _, shape in extend_grid(spec, cuda, mode=mode)}
     points = {(b, c) for _, b, c in grid.decode_grid(spec, cuda, mode=mode, sms=sms)}
-    return points | {grid.ragged_key(lens) for _, lens in grid.ragged_decode_grid(spec, cuda, mode=mode)}
+    return points | {grid.ragged_key(lens) for _, lens in grid.ragged_decode_grid(spec, cuda, mode=mode, sms=sms)}
 
 
 def timed_batches(spec: AttentionSpec, mode: str, sms: int | None) -> set[int]:

@@ -84,8 +84,8 @@ class DispatchTable:
 
     Axes: prefill ("num_seqs", "total_tokens", "longest"); decode ("batch", "context") in eager mode, ("batch",) in
     graph mode (an engine captures one graph per batch size and replays it at every context length, so the backend
-    there is the one best over the timed context range: least geometric-mean time). Lookups work on a shape's
-    ``point``: its key, except prefill's, which is (total_tokens / longest, longest): the timed uniform batches
+    there is the one best over the timed contexts and ragged batches: least geometric-mean time). Lookups work on a
+    shape's ``point``: its key, except prefill's, which is (total_tokens / longest, longest): the timed uniform batches
     (n x L) form a full grid there, so that interpolation has its corners, and a ragged batch counts as the number
     of its longest prompt that it is worth (held out from the grid, this predicted the winner better than the
     three keys or the tokens, as well as the number of sequences; see the results file). ``cell`` gives a shape's
@@ -401,7 +401,8 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     # ragged buckets are timed with every candidate: nothing was pruned near them
     ragged = [{k: v for k, v in b.items() if k not in ("ragged", "pruned_near")} for b in measured["buckets"]
               if b.get("ragged")]
-    if ragged and phase == "decode" and mode == "eager":  # the ragged buckets' own table (graph mode: none)
+    if ragged and phase == "decode" and mode == "eager":  # the ragged buckets' own table (graph mode: scored with
+        # their batch size's uniform buckets, below)
         sub = build_table({**measured, "buckets": ragged, "pruned": {}, "wall_s": None,
                            "skipped": [x for x in measured.get("skipped", ()) if x.startswith("ragged ")]},
                           order, usable)
@@ -411,30 +412,36 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
                             order, usable)
         # without uniform times there is no table (the ragged buckets alone do not serve uniform batches)
         return dataclasses.replace(table, ragged=sub) if table is not None else None
+    graph = phase in ("decode", "extend") and mode == "graph"
     rows = []
-    for b in uniform:
+    for b in uniform + ([dict(r, ragged=True) for r in ragged] if graph else []):
         times = {n: t for n, t in b["us"].items() if n in usable and t and t > 0}
         if times:
-            rows.append((tuple(b["key"]), b["label"], times, b.get("spread", {}), b.get("host")))
+            rows.append((tuple(b["key"]), b["label"], times, b.get("spread", {}), b.get("host"), b.get("ragged")))
     if not rows:
         return None
     axes = tuple(measured["axes"])
-    if phase in ("decode", "extend") and mode == "graph":  # one bucket per batch size, best over its shapes
+    if graph:  # one bucket per batch size, best over its shapes (its ragged batches' too)
         by_batch: dict[int, list] = {}
-        for key, label, times, spread, _ in rows:  # graph mode: no host probes
-            by_batch.setdefault(key[0], []).append((key, times, spread))
+        for key, label, times, spread, _, is_ragged in rows:  # graph mode: no host probes
+            by_batch.setdefault(key[0], []).append((key, times, spread, is_ragged))
         rows = []
         for batch, group in sorted(by_batch.items()):
-            names = [n for n in order if all(n in times for _, times, _ in group)]
+            names = [n for n in order if all(n in times for _, times, _, _ in group)]
             if not names:  # no candidate was timed at every context of this batch size
                 continue
-            ctxs = [key[-1] for key, _, _ in group]  # the context: the last axis (decode and extend)
-            times = {n: _geomean([t[n] for _, t, _ in group]) for n in names}
-            spread = {n: max(s.get(n, 0.0) for _, _, s in group) for n in names}
-            rows.append(((batch,), f"batch {batch} (ctx {min(ctxs)}-{max(ctxs)})", times, spread, None))
+            ctxs = [key[-1] for key, _, _, r in group if not r]  # the context: the last axis (decode and extend)
+            means = [key[-1] for key, _, _, r in group if r]
+            times = {n: _geomean([t[n] for _, t, _, _ in group]) for n in names}
+            spread = {n: max(s.get(n, 0.0) for _, _, s, _ in group) for n in names}
+            parts = ([f"ctx {min(ctxs)}-{max(ctxs)}"] if ctxs else []) + (
+                [f"ragged mean {', '.join(map(str, means))}"] if means else [])
+            rows.append(((batch,), f"batch {batch} ({', '.join(parts)})", times, spread, None))
         axes = axes[:1]
         if not rows:
             return None
+    else:
+        rows = [row[:5] for row in rows]
     near = {tuple(b["key"]): tuple(n for n in b.get("pruned_near", ()) if n in usable)
             for b in uniform} if mode == "eager" else {}
     buckets = tuple(dataclasses.replace(_make_bucket(key, label, times, spread, order, host),

@@ -48,7 +48,7 @@ def test_ragged_timing_batches_have_their_mean_and_one_long_row(batch, mean):
     assert lens == bucket_grid.ragged_decode_lens(batch, mean)
 
 
-def test_ragged_buckets_are_timed_in_eager_mode_on_a_gpu_only():
+def test_ragged_buckets_are_timed_on_a_gpu_only():
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
     cuda = torch.device("cuda")  # the grids read no device (no GPU needed)
     grid = bucket_grid.ragged_decode_grid(spec, cuda)
@@ -57,7 +57,13 @@ def test_ragged_buckets_are_timed_in_eager_mode_on_a_gpu_only():
     assert {bucket_grid.ragged_key(lens) for _, lens in grid} == {
         (b, m) for b in bucket_grid.RAGGED_DECODE_BATCHES for m in bucket_grid.RAGGED_DECODE_MEANS} - {(512, 4096)}
     assert len(grid) == len(bucket_grid.RAGGED_DECODE_BATCHES) * len(bucket_grid.RAGGED_DECODE_MEANS) - 1
-    assert bucket_grid.ragged_decode_grid(spec, cuda, mode="graph") == []
+    # graph mode: one ragged batch per captured batch size (but 1) at its batch size's level
+    graph = bucket_grid.ragged_decode_grid(spec, cuda, mode="graph", sms=132)
+    levels = {b: lvl for lvl, b, _ in bucket_grid.decode_grid(spec, cuda, mode="graph", sms=132)}
+    assert sorted(len(lens) for _, lens in graph) == sorted(b for b in levels if b > 1
+                                                            for _ in bucket_grid.GRAPH_RAGGED_MEANS)
+    assert all(lvl == levels[len(lens)] and bucket_grid.ragged_key(lens)[1] in bucket_grid.GRAPH_RAGGED_MEANS
+               for lvl, lens in graph)
     assert bucket_grid.ragged_decode_grid(spec, torch.device("cpu")) == []
     # the caps of the uniform grid: 128 rows x 4096 on average is 2 GiB of KV here; a sixth of 3 GiB free leaves it out
     small = bucket_grid.ragged_decode_grid(spec, cuda, free_bytes=3 << 30)
@@ -121,10 +127,12 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
     table = build_table(out, ["a", "b"])
     assert table.ragged is not None and len(table.ragged.buckets) == len(ragged)
     assert not any(b.label.startswith("ragged") for b in table.buckets)
-    seen.clear()  # graph mode: no ragged buckets (a graph is keyed by its batch size alone)
+    seen.clear()  # graph mode: a ragged batch of each batch size (but 1), scored with its uniform contexts
     out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "graph")
-    assert all(isinstance(s, tuple) for s in seen) and not any(b.get("ragged") for b in out["buckets"])
-    assert {s[0] for s in seen} == set(bucket_grid.DECODE_BATCHES) | waves
+    assert {s[0] for s in seen if isinstance(s, tuple)} == set(bucket_grid.DECODE_BATCHES) | waves
+    assert {len(s) for s in seen if isinstance(s, list)} == (set(bucket_grid.DECODE_BATCHES) | waves) - {1}
+    table = build_table(out, ["a", "b"])
+    assert table.ragged is None and "ragged mean 2048" in table.buckets[-1].label
 
 
 def test_a_ragged_batch_is_served_by_the_ragged_buckets():
@@ -165,10 +173,17 @@ def test_ragged_buckets_alone_make_no_table_and_belong_to_eager_decode_tables():
         dataclasses.replace(eager, ragged=dataclasses.replace(eager.ragged, mode="graph"))
 
 
-def test_graph_tables_ignore_ragged_buckets():
+def test_graph_tables_score_ragged_buckets_with_their_batch_size():
+    """No sub-table under graphs (a graph is keyed by its batch size alone): a ragged bucket counts in its batch
+    size's geometric mean, with the uniform contexts."""
     table = build_table(with_ragged("graph"), ["a", "b"])
     assert table.axes == ("batch",) and table.ragged is None
-    assert [b.key for b in table.buckets] == [(1,), (32,)] and table.backend_for((8,), 10**6) == "a"
+    assert [b.key for b in table.buckets] == [(1,), (4,), (16,), (32,)]
+    assert [b.backend for b in table.buckets] == ["a", "b", "b", "a"]
+    assert table.buckets[1].label == "batch 4 (ragged mean 1024, 4096)"
+    both = with_ragged("graph", ragged={(32, 2048): {"a": 90.0, "b": 20.0}})  # a: 10, 10 uniform; 90 ragged
+    table = build_table(both, ["a", "b"])
+    assert table.backend_for((32,)) == "b" and table.buckets[-1].label == "batch 32 (ctx 256-4096, ragged mean 2048)"
 
 
 def test_ragged_table_json_and_cache_round_trip(monkeypatch):
@@ -367,3 +382,34 @@ def test_ragged_buckets_leave_room_for_the_torch_copy_of_every_spec(features):
                 cache = bucket_grid.decode_bytes(spec, 1, sum(lens))
                 assert cache + len(lens) * max(lens) * per_slot <= free / 2, (spec.describe(), free // gib,
                                                                               len(lens), sum(lens) // len(lens))
+
+
+def test_graph_decode_times_each_batch_size_on_a_ragged_batch_too():
+    """An engine replays a batch size's graph on every batch padded to it, ragged ones above all, and a plan made
+    at capture cannot give a ragged batch's long rows the splits an eager plan would (engine_capture). So graph mode
+    times each batch size on a ragged batch too, right after its uniform contexts (a budget that stops part-way
+    leaves whole batch sizes out), and scores the batch size over both: a backend that wins the uniform contexts by
+    a little and loses the ragged batch by much does not serve that batch size."""
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")  # the grids read no device
+    order = bucket_grid.decode_timing_grid(spec, cuda, mode="graph", sms=132)
+    for i, (_, shape) in enumerate(order):
+        if isinstance(shape, list):  # a ragged batch: after every uniform bucket of its size, before the next size
+            batch = len(shape)
+            before = [s for _, s in order[:i] if isinstance(s, tuple) and s[0] == batch]
+            after = [s for _, s in order[i + 1:] if isinstance(s, tuple) and s[0] == batch]
+            assert before and not after, (batch, i)  # (the largest batches leave out contexts over the KV cap)
+    eager = bucket_grid.decode_timing_grid(spec, cuda, mode="eager", sms=132)
+    coarse_end = sum(1 for lvl, s in eager if lvl == 0 and isinstance(s, tuple))
+    assert all(isinstance(s, list) for _, s in eager[coarse_end:coarse_end + 15])  # eager: after the coarse grid
+
+    def bucket(key, us, ragged=False):
+        return {"key": list(key), "label": str(key), "us": us, "spread": {}, **({"ragged": True} if ragged else {})}
+
+    uniform = [bucket((32, c), {"triton": 90.0, "fa3": 100.0}) for c in bucket_grid.GRAPH_DECODE_CTX]
+    measured = {"phase": "decode", "mode": "graph", "axes": ["batch", "context"], "grid_version": 0,
+                "buckets": uniform + [bucket((32, 2048), {"triton": 200.0, "fa3": 100.0}, ragged=True)]}
+    table = build_table(measured, ["triton", "fa3"])
+    assert table.backend_for((32,)) == "fa3" and table.buckets[0].label == "batch 32 (ctx 256-16384, ragged mean 2048)"
+    measured["buckets"] = uniform  # the uniform contexts alone pick triton
+    assert build_table(measured, ["triton", "fa3"]).backend_for((32,)) == "triton"

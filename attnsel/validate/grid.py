@@ -64,6 +64,10 @@ DECODE_SKEW = 1.5  # an eager decode batch the ragged buckets do not serve, with
 WAVE_EDGES = 3
 GRAPH_DECODE_CTX = (256, 1024, 4096, 16384)  # graph mode scores a batch size over contexts: 4x steps suffice
 # (there a bucket's level is its batch size's: every batch size is timed at all four contexts together)
+GRAPH_RAGGED_MEANS = (2048,)  # and over a ragged batch of each size (rows spread as served, RAGGED_ROW_SIGMA): a
+# graph replays at every batch an engine pads to that size, ragged ones above all, and a plan made at capture
+# cannot size its splits for a batch's long rows (engine_capture), so the uniform contexts alone overrate a kernel
+# that relies on them
 MAX_DECODE_KV_BYTES = 4 << 30
 CPU_PREFILL = ([16], [24, 8])  # the interpreter and CPU torch: tiny workloads only
 CPU_DECODE = ((1, 32), (4, 32))
@@ -204,22 +208,44 @@ def ragged_decode_lens(batch: int, mean: int) -> list[int]:
 
 
 def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
-                       mode: str = "eager") -> list[tuple[int, list[int]]]:
-    """(level 0, context lengths) of the ragged decode buckets: eager mode on a GPU only (a CUDA graph is captured
-    per batch size and keyed by it alone). A bucket's KV is at most MAX_DECODE_KV_BYTES and, given the device's free
-    memory, its KV and the torch backend's copy (``torch_decode_copy_bytes``) at most half of it: torch gathers every
-    row to the longest row's width, batch x longest, 3-13x a ragged bucket's KV (8-512 rows); a third would leave out
-    512 rows of 1024 on average for 8 KV heads of 128 on an idle H100, which the batches of a busy server need."""
-    if device.type != "cuda" or mode != "eager":
+                       mode: str = "eager", sms: int | None = None) -> list[tuple[int, list[int]]]:
+    """(level, context lengths) of the ragged decode buckets, on a GPU only. Eager: RAGGED_DECODE_BATCHES x
+    RAGGED_DECODE_MEANS at level 0, a sub-table of their own. Graph: every batch size of the graph grid
+    (``decode_grid``) but 1 at GRAPH_RAGGED_MEANS, at its batch size's level (scored with its uniform contexts). A
+    bucket's KV is at most MAX_DECODE_KV_BYTES and, given the device's free memory, its KV and the torch backend's copy
+    (``torch_decode_copy_bytes``) at most half of it: torch gathers every row to the longest row's width, batch x
+    longest, 3-13x a ragged bucket's KV (8-512 rows); a third would leave out 512 rows of 1024 on average for 8 KV
+    heads of 128 on an idle H100, which the batches of a busy server need."""
+    if device.type != "cuda":
         return []
+    if mode == "graph":
+        levels = {b: lvl for lvl, b, _ in decode_grid(spec, device, free_bytes, mode, sms)}
+        shapes = [(lvl, b, m) for b, lvl in sorted(levels.items()) if b > 1 for m in GRAPH_RAGGED_MEANS]
+    else:
+        shapes = [(0, b, m) for b in RAGGED_DECODE_BATCHES for m in RAGGED_DECODE_MEANS]
     grid = []
-    for b in RAGGED_DECODE_BATCHES:
-        for m in RAGGED_DECODE_MEANS:
-            lens = ragged_decode_lens(b, m)
-            kv = decode_bytes(spec, 1, sum(lens))
-            if kv <= MAX_DECODE_KV_BYTES and (free_bytes is None
-                                              or kv + torch_decode_copy_bytes(spec, b, max(lens)) <= free_bytes // 2):
-                grid.append((0, lens))
+    for level, b, m in shapes:
+        lens = ragged_decode_lens(b, m)
+        kv = decode_bytes(spec, 1, sum(lens))
+        if kv <= MAX_DECODE_KV_BYTES and (free_bytes is None
+                                          or kv + torch_decode_copy_bytes(spec, b, max(lens)) <= free_bytes // 2):
+            grid.append((level, lens))
+    return grid
+
+
+def decode_timing_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
+                       mode: str = "eager", sms: int | None = None) -> list[tuple[int, tuple | list]]:
+    """(level, shape) of every timed decode bucket in timing order: (batch, context) for a uniform one, the context
+    lengths for a ragged one. Eager: the ragged buckets right after the uniform coarse grid; graph: each right after
+    its batch size's uniform buckets (a budget that stops part-way leaves whole batch sizes out)."""
+    grid = [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, free_bytes, mode, sms)]
+    ragged = ragged_decode_grid(spec, device, free_bytes, mode, sms)
+    if mode != "graph":
+        coarse_end = sum(1 for lvl, _ in grid if lvl == 0)
+        return grid[:coarse_end] + ragged + grid[coarse_end:]
+    for item in ragged:
+        last = max(i for i, (_, shape) in enumerate(grid) if isinstance(shape, tuple) and shape[0] == len(item[1]))
+        grid.insert(last + 1, item)
     return grid
 
 

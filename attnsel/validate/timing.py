@@ -64,8 +64,8 @@ from .engine_capture import capture_args
 from .spot import spot_compare, spot_reference
 from ..backends import planner
 from .extend_grid import EXTEND_AXES, extend_grid, extend_label
-from .grid import (DECODE_AXES, PREFILL_AXES, decode_grid, device_sms, feature_inputs, prefill_grid, prefill_key,
-                   prefill_label, ragged_decode_grid, ragged_key, rotated_workloads)
+from .grid import (DECODE_AXES, PREFILL_AXES, decode_timing_grid, device_sms, feature_inputs,
+                   prefill_grid, prefill_key, prefill_label, ragged_key, rotated_workloads)
 from .grid import RAGGED_SKEW  # noqa: F401  dispatch.py reads it as timing.RAGGED_SKEW
 from .host_probe import host_probe, host_reference
 from .race import Race
@@ -73,7 +73,7 @@ from .race import Race
 log = logging.getLogger(__name__)
 AXES = {"prefill": PREFILL_AXES, "decode": DECODE_AXES, "extend": EXTEND_AXES}
 
-GRID_VERSION = 15  # part of the dispatch-table cache key: bump when the grid or the timing rules change
+GRID_VERSION = 16  # part of the dispatch-table cache key: bump when the grid or the timing rules change
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
@@ -364,7 +364,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     candidates' plans and first calls (first-use compiles; under CUDA graphs also the captures) is not counted
     (``max_budget_s``: the most a phase's budget may be, half the worker's task timeout). ``grid``: (level, shape)
     items instead of the phase's grid (prefill: sequence lengths; decode: (batch, context), or a list of context
-    lengths for a ragged bucket: eager decode times ragged_decode_grid's after the coarse grid). Returns a JSON-able
+    lengths for a ragged bucket: grid.decode_timing_grid). Returns a JSON-able
     dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
     "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a
@@ -383,10 +383,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
         elif phase == "prefill":
             grid = [(lvl, lens) for lvl, lens in prefill_grid(spec, device)]
         else:
-            free = _free_bytes(device)
-            grid = [(lvl, (b, c)) for lvl, b, c in decode_grid(spec, device, free, mode, device_sms(device))]
-            coarse_end = sum(1 for lvl, _ in grid if lvl == 0)  # ragged buckets right after the coarse grid
-            grid[coarse_end:coarse_end] = ragged_decode_grid(spec, device, free, mode)
+            grid = decode_timing_grid(spec, device, _free_bytes(device), mode, device_sms(device))
     buckets, skipped, pruned = [], [], {}
     steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
     allowance = plan_allowance(budget_s, max_budget_s)
