@@ -249,6 +249,17 @@ def decode_timing_grid(spec: AttentionSpec, device: torch.device, free_bytes: in
     return grid
 
 
+def whole_batch_sizes(buckets: list[dict], skipped: list[str], cut: int | None) -> tuple[list[dict], list[str]]:
+    """Graph mode's measured (buckets, skipped) with whole batch sizes only: a table scores a batch size over all its
+    shapes (its contexts, its ragged batch), so the timed buckets of ``cut`` (key[0]: the batch size a time budget
+    stopped part-way through; None: none) move to ``skipped``, unless they are all there is (a coarser table, never
+    none)."""
+    kept = [b for b in buckets if b["key"][0] != cut]
+    if cut is None or not kept:
+        return buckets, skipped
+    return kept, [b["label"] for b in buckets if b["key"][0] == cut] + skipped
+
+
 def ragged_key(lens: list[int]) -> tuple[int, int]:
     """The bucket coordinates of a ragged decode batch: (batch, mean context rounded up), as Selection.plan_decode
     computes them from ``context_tokens``."""

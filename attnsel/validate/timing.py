@@ -64,8 +64,8 @@ from .engine_capture import capture_args
 from .spot import spot_compare, spot_reference
 from ..backends import planner
 from .extend_grid import EXTEND_AXES, extend_grid, extend_label
-from .grid import (DECODE_AXES, PREFILL_AXES, decode_timing_grid, device_sms, feature_inputs,
-                   prefill_grid, prefill_key, prefill_label, ragged_key, rotated_workloads)
+from .grid import (DECODE_AXES, PREFILL_AXES, decode_timing_grid, device_sms, feature_inputs, prefill_grid,
+                   prefill_key, prefill_label, ragged_key, rotated_workloads, whole_batch_sizes)
 from .grid import RAGGED_SKEW  # noqa: F401  dispatch.py reads it as timing.RAGGED_SKEW
 from .host_probe import host_probe, host_reference
 from .race import Race
@@ -360,12 +360,12 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     """Time the candidates ``names`` of one phase on every bucket of the phase's grid, interleaved (module doc).
 
     Buckets go coarse grid first; once ``budget_s`` seconds are spent the remaining buckets are skipped (listed in
-    "skipped"), so a tight budget gives a coarser table, never a missing range. Up to ``plan_allowance`` of the
-    candidates' plans and first calls (first-use compiles; under CUDA graphs also the captures) is not counted
-    (``max_budget_s``: the most a phase's budget may be, half the worker's task timeout). ``grid``: (level, shape)
-    items instead of the phase's grid (prefill: sequence lengths; decode: (batch, context), or a list of context
-    lengths for a ragged bucket: grid.decode_timing_grid). Returns a JSON-able
-    dict:
+    "skipped"), so a tight budget gives a coarser table, never a missing range (graph: whole batch sizes,
+    grid.whole_batch_sizes). Up to ``plan_allowance`` of the candidates' plans and first calls (first-use compiles;
+    under CUDA graphs also the captures) is not counted (``max_budget_s``: the most a phase's budget may be, half the
+    worker's task timeout). ``grid``: (level, shape) items instead of the phase's grid (prefill: sequence lengths;
+    decode: (batch, context), or a list of context lengths for a ragged bucket: grid.decode_timing_grid). Returns a
+    JSON-able dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
     "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a
     ragged decode bucket only, "pruned_near": [candidates pruned near it] where any}],
@@ -388,7 +388,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
     allowance = plan_allowance(budget_s, max_budget_s)
     coarse: list[tuple] = []  # (key, time_bucket result) of the uniform coarse buckets: pruning reads them
-    coarse_done = False
+    coarse_done, cut = False, None  # cut: the batch size (key[0]) that the budget stopped at
     for level, shape in grid:
         ragged = phase == "decode" and isinstance(shape, list)  # a decode batch's context lengths
         if phase == "extend":
@@ -402,6 +402,7 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             key, label = tuple(shape), f"{shape[0]}x{shape[1]}"
         if budget_s is not None and buckets and _counted(time.perf_counter() - t0, steps, allowance) > budget_s:
             skipped.append(label)
+            cut = key[0] if cut is None else cut
             continue
         if level > 0 and not coarse_done:  # the coarse grid is done: prune once
             pruned = prune([timed for _, timed in coarse], list(cands))
@@ -425,6 +426,8 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
                         **({"pruned_near": sorted(local)} if local else {}), **timed})
         if level == 0 and not coarse_done and not ragged:  # pruning reads the uniform coarse grid only
             coarse.append((key, timed))
+    if mode == "graph" and phase != "prefill":  # a batch size is scored over all its shapes: whole ones only
+        buckets, skipped = whole_batch_sizes(buckets, skipped, cut)
     reference = host_reference([b["host_us"] for b in buckets if b.get("host_us")])
     for b in buckets:  # the host's speed while a bucket was timed, over the phase's reference
         if b.get("host_us"):
