@@ -133,7 +133,8 @@ def dispatch_table(sel: Selection, phase: str, width: int = 80) -> Table | None:
         return ", ".join(f"{n} {k}" for n, k in sorted(t.wins().items(), key=lambda kv: -kv[1]))
 
     ragged_cut = [x for x in table.skipped if x.startswith("ragged ")]
-    if table.ragged is None and ragged_cut:  # every ragged bucket was skipped: say that the uniform ones serve
+    if table.mode == "eager" and table.ragged is None and ragged_cut:  # every ragged bucket was skipped: say
+        # that the uniform ones serve (graph tables have no sub-table: a ragged batch counts in its batch size)
         skipped += f" ({len(ragged_cut)} of them ragged: no ragged table, ragged batches take the uniform buckets)"
     slow = sum(1 for b in table.buckets + (table.ragged.buckets if table.ragged is not None else ())
                if b.host is not None and b.host >= HOST_SLOW)

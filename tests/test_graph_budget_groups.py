@@ -79,3 +79,23 @@ def test_a_budget_cut_in_graph_extend_leaves_whole_batch_sizes(monkeypatch):
     out = _measure(monkeypatch, sizes[first] + 1, phase="extend")  # the second batch size: one shape timed
     assert {b["key"][0] for b in out["buckets"]} == {first}
     assert len(out["buckets"]) == sizes[first]
+
+
+def test_the_report_of_a_cut_graph_table_claims_no_ragged_sub_table(monkeypatch):
+    """Graph tables never have a ragged sub-table (a ragged batch counts in its batch size): a skipped ragged
+    bucket there is one of its batch size's shapes, not the eager sub-table gone."""
+    from rich.console import Console
+
+    from attnsel.render import dispatch_table
+    from attnsel.selection import PhaseChoice
+    from tests.fixtures.dispatch import _selection
+
+    out = _measure(monkeypatch, 17)
+    table = build_table(out, ["triton", "fa3"])
+    assert any(x.startswith("ragged ") for x in table.skipped)
+    console = Console(width=200, record=True)
+    console.print(dispatch_table(_selection({"decode": PhaseChoice("fa3", "auto", [], table)}, mode="graph"),
+                                 "decode", 200))
+    text = " ".join(console.export_text().split())
+    assert f"{len(table.skipped)} bucket(s) skipped for the time budget" in text
+    assert "no ragged table" not in text and "uniform buckets" not in text
