@@ -234,7 +234,7 @@ def test_split_plan_follows_the_batchs_own_lengths(monkeypatch):
     and one long one, the long row gets the splits its share of the tokens calls for (sized for every row at the
     longest it got one, and ran alone in one program per head). A plan made during capture reads nothing and
     sizes for the bound. The split count is checked with an H100's 132 SMs; the run is judged by the reference."""
-    import attnsel.backends.support as support
+    from tests.fixtures.host_reads import planning_in_capture
 
     real, seen = tb.decode_splits, []
 
@@ -251,14 +251,7 @@ def test_split_plan_follows_the_batchs_own_lengths(monkeypatch):
     assert run.splits > 1, "the long row of a ragged batch gets splits"
     case.check(out)
 
-    monkeypatch.setattr(support, "capturing", lambda t: True)
-
-    def no_host_read(*args):
-        raise AssertionError("host read of a device tensor while planning during capture")
-
-    with monkeypatch.context() as m:
-        for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"):
-            m.setattr(torch.Tensor, name, no_host_read)
+    with planning_in_capture(monkeypatch):
         case.plan(get("triton"))
     span = min(case.max_seq_len, case.page_table.shape[1] * spec.page_size)
     assert seen[-1] == (40, span, 40 * span), seen

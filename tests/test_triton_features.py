@@ -487,18 +487,11 @@ def test_decode_plan_during_graph_capture_reads_nothing_on_the_host(window, monk
     """A decode plan made during CUDA-graph capture (attnsel.flash_attn_with_kvcache plans there) may not read
     seq_lens on the host (a sync is an error during capture: the H200 run of 2026-12-04 failed on it): it plans
     from the page table's width instead, and the run is still right for every row, zero-length ones included."""
-    import attnsel.backends.support as support
+    from tests.fixtures.host_reads import planning_in_capture
 
     spec = _spec(page_size=16, sliding_window=window)
     case = decode_case(spec, CPU, DECODE_LENS)
-    monkeypatch.setattr(support, "capturing", lambda t: True)
-
-    def no_host_read(*args):
-        raise AssertionError("host read of a device tensor while planning during capture")
-
-    with monkeypatch.context() as m:
-        for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"):
-            m.setattr(torch.Tensor, name, no_host_read)
+    with planning_in_capture(monkeypatch):
         run = get("triton").plan_decode(spec, *case.plan_args)
     out = run(*case.inputs, **case.kwargs)
     _assert_close(out, case.ref)
