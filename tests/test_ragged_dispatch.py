@@ -413,3 +413,35 @@ def test_graph_decode_times_each_batch_size_on_a_ragged_batch_too():
     assert table.backend_for((32,)) == "fa3" and table.buckets[0].label == "batch 32 (ctx 256-16384, ragged mean 2048)"
     measured["buckets"] = uniform  # the uniform contexts alone pick triton
     assert build_table(measured, ["triton", "fa3"]).backend_for((32,)) == "triton"
+
+
+def test_graph_ragged_batches_stay_where_only_torchs_copy_does_not_fit(monkeypatch):
+    """torch's decode gathers every row to the longest (batch x longest, 3-13x a ragged batch's KV). Under CUDA
+    graphs a ragged batch is part of its batch size's score, so where only that copy does not fit it is timed
+    without torch, with the reason, rather than left out (which scored the batch size on uniform contexts alone:
+    with 20 GiB free, 32/8 heads lost it from 181 rows up)."""
+    spec = AttentionSpec(32, 8, 128, "bf16", 16)
+    cuda = torch.device("cuda")  # the grids read no device
+    free = 20 << 30
+    graph = {len(lens) for _, lens in bucket_grid.ragged_decode_grid(spec, cuda, free, "graph", sms=132)}
+    assert {181, 256, 362} <= graph
+    seen = {}
+
+    def fake_bucket(cands, spec, phase, shape, device, mode, reps):
+        seen[len(shape) if isinstance(shape, list) else tuple(shape)] = set(cands)
+        return {"us": {n: 1.0 for n in cands}, "spread": {n: 0.0 for n in cands}, "errors": {}}
+
+    monkeypatch.setattr(timing, "time_bucket", fake_bucket)
+    monkeypatch.setattr(timing, "_free_bytes", lambda device: free)
+    monkeypatch.setattr(timing, "device_sms", lambda device: 132)
+    monkeypatch.setattr(backends_mod, "get", lambda name: name)
+    out = timing.measure(spec, "decode", ["torch", "triton"], cuda, "graph")
+    big = next(b for b in out["buckets"] if b.get("ragged") and b["key"][0] == 362)
+    why = big["left_out"]["torch"]
+    assert "half the free memory" in why and "GiB" in why and not big["errors"]  # not a failure: no worker fault
+    assert seen[362] == {"triton"} and seen[(362, 256)] == {"torch", "triton"}
+    assert seen[8] == {"torch", "triton"}  # a small ragged batch: torch's copy fits
+    table = build_table(out, ["torch", "triton"])
+    row = next(b for b in table.buckets if b.key == (362,))
+    assert set(row.times_us) == {"triton"} and "ragged mean 2048" in row.label
+    assert set(next(b for b in table.buckets if b.key == (8,)).times_us) == {"torch", "triton"}

@@ -212,8 +212,9 @@ def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: in
     """(level, context lengths) of the ragged decode buckets, on a GPU only. Eager: RAGGED_DECODE_BATCHES x
     RAGGED_DECODE_MEANS at level 0, a sub-table of their own. Graph: every batch size of the graph grid
     (``decode_grid``) but 1 at GRAPH_RAGGED_MEANS, at its batch size's level (scored with its uniform contexts). A
-    bucket's KV is at most MAX_DECODE_KV_BYTES and, given the device's free memory, its KV and the torch backend's copy
-    (``torch_decode_copy_bytes``) at most half of it: torch gathers every row to the longest row's width, batch x
+    bucket's KV is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it under graphs (as a
+    uniform bucket's; ``left_out``: torch where its copy does not fit), in eager mode its KV and the torch backend's
+    copy (``torch_decode_copy_bytes``) at most half of it: torch gathers every row to the longest row's width, batch x
     longest, 3-13x a ragged bucket's KV (8-512 rows); a third would leave out 512 rows of 1024 on average for 8 KV
     heads of 128 on an idle H100, which the batches of a busy server need."""
     if device.type != "cuda":
@@ -227,10 +228,30 @@ def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: in
     for level, b, m in shapes:
         lens = ragged_decode_lens(b, m)
         kv = decode_bytes(spec, 1, sum(lens))
-        if kv <= MAX_DECODE_KV_BYTES and (free_bytes is None
-                                          or kv + torch_decode_copy_bytes(spec, b, max(lens)) <= free_bytes // 2):
+        if free_bytes is None:
+            fits = True
+        elif mode == "graph":  # torch is timed where its copy fits too (left_out)
+            fits = kv <= free_bytes // 6
+        else:
+            fits = kv + torch_decode_copy_bytes(spec, b, max(lens)) <= free_bytes // 2
+        if kv <= MAX_DECODE_KV_BYTES and fits:
             grid.append((level, lens))
     return grid
+
+
+def left_out(spec: AttentionSpec, lens: list[int], free_bytes: int | None, mode: str, names) -> dict[str, str]:
+    """{candidate: why} for the candidates a ragged bucket is timed without: under CUDA graphs (where the bucket
+    stays in the grid for its batch size's score, ``ragged_decode_grid``) torch where its copy of every row to the
+    longest (``torch_decode_copy_bytes``) and the KV would pass half the free memory. The batch size is then scored
+    without torch (build_table keeps the candidates timed on all its shapes)."""
+    if mode != "graph" or "torch" not in names or free_bytes is None:
+        return {}
+    kv, copy = decode_bytes(spec, 1, sum(lens)), torch_decode_copy_bytes(spec, len(lens), max(lens))
+    if kv + copy <= free_bytes // 2:
+        return {}
+    return {"torch": f"not timed on this ragged batch: its copy of every row to the longest ({copy / 2**30:.1f} "
+                     f"GiB) and the KV ({kv / 2**30:.1f} GiB) would pass half the free memory "
+                     f"({free_bytes / 2**30:.1f} GiB)"}
 
 
 def decode_timing_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,

@@ -65,7 +65,7 @@ from .spot import spot_compare, spot_reference
 from ..backends import planner
 from .extend_grid import EXTEND_AXES, extend_grid, extend_label
 from .grid import (DECODE_AXES, PREFILL_AXES, decode_timing_grid, device_sms, feature_inputs, prefill_grid,
-                   prefill_key, prefill_label, ragged_key, rotated_workloads, whole_batch_sizes)
+                   left_out, prefill_key, prefill_label, ragged_key, rotated_workloads, whole_batch_sizes)
 from .grid import RAGGED_SKEW  # noqa: F401  dispatch.py reads it as timing.RAGGED_SKEW
 from .host_probe import host_probe, host_reference
 from .race import Race
@@ -368,22 +368,23 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
     JSON-able dict:
     ``{"phase", "mode", "grid_version", "axes", "reps", "buckets": [{"key", "label", "us", "spread", "errors",
     "host_us", "host" (eager on CUDA: the bucket's median probe and its ratio to host_reference), "ragged": true on a
-    ragged decode bucket only, "pruned_near": [candidates pruned near it] where any}],
-    "skipped": [labels], "pruned", "pruned_near": {name: finer buckets it skipped}, "wall_s", "counted_s": what the
-    budget counted of it, "steps_s": {step: seconds over the buckets}}``.
+    ragged decode bucket only, "pruned_near": [candidates pruned near it], "left_out": {candidate: why not timed
+    there, not a failure} (grid.left_out), each where any}], "skipped": [labels], "pruned", "pruned_near": {name:
+    finer buckets it skipped}, "wall_s", "counted_s": what the budget counted of it, "steps_s": {step: seconds}}``.
     """
     from .. import backends
 
     reps = reps or reps_for(mode, device)
     t0 = time.perf_counter()
     cands = {name: backends.get(name) for name in names}
+    free = _free_bytes(device)
     if grid is None:
         if phase == "extend":
-            grid = extend_grid(spec, device, _free_bytes(device), mode)
+            grid = extend_grid(spec, device, free, mode)
         elif phase == "prefill":
             grid = [(lvl, lens) for lvl, lens in prefill_grid(spec, device)]
         else:
-            grid = decode_timing_grid(spec, device, _free_bytes(device), mode, device_sms(device))
+            grid = decode_timing_grid(spec, device, free, mode, device_sms(device))
     buckets, skipped, pruned = [], [], {}
     steps: dict[str, float] = {}  # seconds per time_bucket step, over the buckets
     allowance = plan_allowance(budget_s, max_budget_s)
@@ -412,18 +413,20 @@ def measure(spec: AttentionSpec, phase: str, names: list[str], device: torch.dev
             cands = {n: b for n, b in cands.items() if n not in pruned}
             coarse_done = True
         local = prune(near_coarse(coarse, key), list(cands)) if level > 0 and mode == "eager" else {}
-        timed = time_bucket({n: b for n, b in cands.items() if n not in local}, spec, phase, shape, device, mode,
-                            reps)
+        out = left_out(spec, shape, free, mode, cands) if ragged else {}  # {candidate: why it is not timed here}
+        timed = time_bucket({n: b for n, b in cands.items() if n not in {**local, **out}}, spec, phase, shape,
+                            device, mode, reps)
         if (pruned or local) and timed["errors"]:  # a timed candidate failed: the pruned ones may have to serve
             log.info("%s %s %s: %s failed; timed again with the pruned candidates", phase, spec.describe(), label,
                      ", ".join(timed["errors"]))
             _add_steps(steps, timed)
-            timed = time_bucket({**cands, **{n: backends.get(n) for n in pruned}}, spec, phase, shape, device,
-                                mode, reps)
+            timed = time_bucket({n: b for n, b in {**cands, **{n: backends.get(n) for n in pruned}}.items()
+                                 if n not in out}, spec, phase, shape, device, mode, reps)
             local = {}
         _add_steps(steps, timed)
         buckets.append({"key": list(key), "label": label, **({"ragged": True} if ragged else {}),
-                        **({"pruned_near": sorted(local)} if local else {}), **timed})
+                        **({"pruned_near": sorted(local)} if local else {}), **({"left_out": out} if out else {}),
+                        **timed})
         if level == 0 and not coarse_done and not ragged:  # pruning reads the uniform coarse grid only
             coarse.append((key, timed))
     if mode == "graph" and phase != "prefill":  # a batch size is scored over all its shapes: whole ones only
