@@ -37,10 +37,11 @@ class TableKey:
 
 
 def bucket_errors(measured: dict) -> dict[str, tuple[int, str]]:
-    """name -> (number of buckets where it got no time, the first reason)."""
+    """name -> (number of buckets where it got no time, the first reason): it failed there ("errors") or was not
+    timed there ("left_out", timing.measure)."""
     out: dict[str, tuple[int, str]] = {}
     for b in measured["buckets"]:
-        for name, reason in b.get("errors", {}).items():
+        for name, reason in {**b.get("left_out", {}), **b.get("errors", {})}.items():
             count, first = out.get(name, (0, f"{b['label']}: {reason}"))
             out[name] = (count + 1, first)
     return out

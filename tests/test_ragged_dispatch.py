@@ -11,6 +11,7 @@ import torch
 import attnsel.backends as backends_mod
 from attnsel import select
 from attnsel.cache import entry_problem
+from attnsel.store import bucket_errors
 from attnsel.selection import DispatchTable, PhaseChoice, build_table
 from attnsel.spec import AttentionSpec
 from attnsel.validate import grid as bucket_grid
@@ -445,3 +446,5 @@ def test_graph_ragged_batches_stay_where_only_torchs_copy_does_not_fit(monkeypat
     row = next(b for b in table.buckets if b.key == (362,))
     assert set(row.times_us) == {"triton"} and "ragged mean 2048" in row.label
     assert set(next(b for b in table.buckets if b.key == (8,)).times_us) == {"torch", "triton"}
+    count, first = bucket_errors(out)["torch"]  # the report's reason for torch's missing times
+    assert count == sum(1 for b in out["buckets"] if "left_out" in b) >= 3 and "half the free memory" in first
