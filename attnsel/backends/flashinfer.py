@@ -21,9 +21,9 @@ declined with sinks.
 
 Workspace: one zeroed float buffer per device and size: ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
 recommendation for real batches), or more where a spec's plans may need more on this GPU (``plan_bytes``), used for
-validation and serving alike, shared by the wrappers of the device (their runs go on one stream). A wrapper holds one plan, and every live run function owns its wrapper (``_take``): a later
-plan takes another wrapper from a pool per device and variant, so a run function, and a CUDA graph captured from
-it, stays valid as long as it is kept.
+validation and serving alike, shared by the wrappers of the device (their runs go on one stream). A wrapper holds
+one plan, and every live run function owns its wrapper (``_take``): a later plan takes another wrapper from a pool
+per device and variant, so a run function, and a CUDA graph captured from it, stays valid as long as it is kept.
 FlashInfer JIT-compiles kernels on first use (minutes on a fresh machine) into ``jit_cache_dir()``.
 """
 from __future__ import annotations

@@ -228,15 +228,20 @@ def ragged_decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: in
     for level, b, m in shapes:
         lens = ragged_decode_lens(b, m)
         kv = decode_bytes(spec, 1, sum(lens))
-        if free_bytes is None:
-            fits = True
-        elif mode == "graph":  # torch is timed where its copy fits too (left_out)
-            fits = kv <= free_bytes // 6
+        if mode == "graph":  # torch is timed where its copy fits too (left_out)
+            fits = free_bytes is None or kv <= free_bytes // 6
         else:
-            fits = kv + torch_decode_copy_bytes(spec, b, max(lens)) <= free_bytes // 2
+            fits = torch_copy_fits(spec, lens, free_bytes)
         if kv <= MAX_DECODE_KV_BYTES and fits:
             grid.append((level, lens))
     return grid
+
+
+def torch_copy_fits(spec: AttentionSpec, lens: list[int], free_bytes: int | None) -> bool:
+    """Whether a ragged batch's KV and the torch backend's copy of every row to the longest
+    (``torch_decode_copy_bytes``) stay within half the free memory (unknown free memory: yes)."""
+    return free_bytes is None or (decode_bytes(spec, 1, sum(lens))
+                                  + torch_decode_copy_bytes(spec, len(lens), max(lens)) <= free_bytes // 2)
 
 
 def left_out(spec: AttentionSpec, lens: list[int], free_bytes: int | None, mode: str, names) -> dict[str, str]:
@@ -244,11 +249,9 @@ def left_out(spec: AttentionSpec, lens: list[int], free_bytes: int | None, mode:
     stays in the grid for its batch size's score, ``ragged_decode_grid``) torch where its copy of every row to the
     longest (``torch_decode_copy_bytes``) and the KV would pass half the free memory. The batch size is then scored
     without torch (build_table keeps the candidates timed on all its shapes)."""
-    if mode != "graph" or "torch" not in names or free_bytes is None:
+    if mode != "graph" or "torch" not in names or torch_copy_fits(spec, lens, free_bytes):
         return {}
     kv, copy = decode_bytes(spec, 1, sum(lens)), torch_decode_copy_bytes(spec, len(lens), max(lens))
-    if kv + copy <= free_bytes // 2:
-        return {}
     return {"torch": f"not timed on this ragged batch: its copy of every row to the longest ({copy / 2**30:.1f} "
                      f"GiB) and the KV ({kv / 2**30:.1f} GiB) would pass half the free memory "
                      f"({free_bytes / 2**30:.1f} GiB)"}

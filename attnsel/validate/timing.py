@@ -168,7 +168,6 @@ class _Timed:
 def _prepare(backend, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple], mode: str,
              device: torch.device) -> _Timed:
     plan = planner(backend, phase)
-    fill = None
     if mode == "graph":  # planned and captured on the lengths engines capture with, replayed on the bucket's
         plan_args, fill = capture_args(phase, plan_args)
     run = functools.partial(plan(spec, *plan_args), **feature_inputs(spec, phase, device))
