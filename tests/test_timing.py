@@ -466,7 +466,8 @@ def test_eager_finer_buckets_skip_candidates_slow_at_every_nearby_coarse_bucket(
 
 
 class Slowed(Logged):
-    """Logged, each run ``delay`` seconds slower (a candidate far behind the fastest)."""
+    """Logged, each run ``delay`` seconds slower (a candidate far behind the fastest); ``delay`` may be a function,
+    called before each run for its seconds (a host whose speed changes)."""
 
     def __init__(self, name, delay):
         super().__init__(name)
@@ -475,7 +476,12 @@ class Slowed(Logged):
     def plan_decode(self, spec, page_table, seq_lens):
         import time
         run = super().plan_decode(spec, page_table, seq_lens)
-        return lambda q, k, v: (time.sleep(self.delay), run(q, k, v))[1]
+
+        def slowed(q, k, v):
+            time.sleep(self.delay() if callable(self.delay) else self.delay)
+            return run(q, k, v)
+
+        return slowed
 
 
 def test_eager_timing_stops_sampling_a_candidate_far_behind(monkeypatch):
@@ -546,30 +552,20 @@ def test_a_raced_candidate_stays_behind_when_the_host_slows_after_the_race(monke
     """A raced candidate's samples come from the first RACE_AFTER repetitions only. The host slowing 6x after them
     (every candidate alike) must not make a candidate 1.5x behind look faster than the leader, whose later samples
     took the slowdown: its time follows the leader's median over the same repetitions."""
-    import time as clock
-
     monkeypatch.setattr(bucket_grid, "num_sets", lambda nbytes, device: 2)
     host = {"calls": 0}
     before_race = 2 * (1 + 1 + timing.RACE_AFTER)  # two candidates' first runs, calibration and first samples
 
-    class HostBound(Logged):
-        def __init__(self, name, seconds):
-            super().__init__(name)
-            self.seconds = seconds
+    def host_bound(seconds):
+        def delay():
+            host["calls"] += 1
+            return seconds * (6 if host["calls"] > before_race else 1)
 
-        def plan_decode(self, spec, page_table, seq_lens):
-            run = super().plan_decode(spec, page_table, seq_lens)
-
-            def slowed(q, k, v):
-                host["calls"] += 1
-                clock.sleep(self.seconds * (6 if host["calls"] > before_race else 1))
-                return run(q, k, v)
-
-            return slowed
+        return delay
 
     # far 4x behind (far past RACE_OUT, whatever the loaded host adds to a call), then the host 6x slower: by its
     # own samples far would look faster than fast
-    cands = {"fast": HostBound("fast", 0.005), "far": HostBound("far", 0.02)}
+    cands = {"fast": Slowed("fast", host_bound(0.005)), "far": Slowed("far", host_bound(0.02))}
     out = timing.time_bucket(cands, SPEC, "decode", (2, 32), torch.device("cpu"), "eager", reps=21)
     assert out["raced"] == ["far"] and not out["errors"]
     assert out["us"]["far"] > 1.2 * out["us"]["fast"], out["us"]
