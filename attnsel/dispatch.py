@@ -425,9 +425,15 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
         by_batch: dict[int, list] = {}
         for key, label, times, spread, _, is_ragged in rows:  # graph mode: no host probes
             by_batch.setdefault(key[0], []).append((key, times, spread, is_ragged))
+        # a candidate left out of a shape (timing.left_out: it would not fit) never serves its batch size, also
+        # where that shape's row is gone above (no usable candidate has a time there)
+        unfit: dict[int, set] = {}
+        for b in measured["buckets"]:
+            unfit.setdefault(b["key"][0], set()).update(b.get("left_out", {}))
         rows = []
         for batch, group in sorted(by_batch.items()):
-            names = [n for n in order if all(n in times for _, times, _, _ in group)]
+            names = [n for n in order if n not in unfit.get(batch, ())
+                     and all(n in times for _, times, _, _ in group)]
             if not names:  # no candidate was timed at every context of this batch size
                 continue
             ctxs = [key[-1] for key, _, _, r in group if not r]  # the context: the last axis (decode and extend)

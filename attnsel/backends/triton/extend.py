@@ -72,6 +72,15 @@ def _check_plan_args(cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_l
                          f"{cu_seqlens_q.device}, {page_table.device}, {seq_lens.device}")
 
 
+def _check_lengths(seq_lens: torch.Tensor, low: int, high: int, reach: int) -> None:
+    """ValueError naming the first row whose length is negative or past the page table's ``reach`` in tokens."""
+    if low >= 0 and high <= reach:
+        return
+    row = int((seq_lens < 0).logical_or(seq_lens > reach).nonzero()[0, 0])
+    raise ValueError(f"triton extend: seq_lens[{row}] is {int(seq_lens[row])}; allowed: 0 (a padding row) up to the "
+                     f"page table's reach, {reach} tokens (page_table.shape[1] x page_size)")
+
+
 def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                 max_seqlen_q: int, max_seq_len: int) -> RunFn:
     """TritonBackend.plan_extend (the Backend protocol's contract)."""
@@ -96,8 +105,12 @@ def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: tor
         # batch of many short rows and a few long ones got one split per tile, and its long rows ran alone in one
         # program each (2.2x behind FA3's split kernel on such a batch, see the results file). The total is what
         # the kernel computes at run time: every row's keys (within the window) once per query tile.
+        # The same read refuses lengths the kernel cannot serve: a negative one, or one past the page table's reach
+        # (its keys' page ids would come from the next row's entries).
         spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)
-        most, summed = torch.stack((spans.max().long(), spans.sum().long())).tolist()
+        low, high, most, summed = torch.stack((seq_lens.min().long(), seq_lens.max().long(), spans.max().long(),
+                                               spans.sum().long())).tolist()
+        _check_lengths(seq_lens, low, high, page_table.shape[1] * spec.page_size)
         longest, total = max(1, min(span, most)), max(1, q_tiles * summed)
     splits, target, min_chunk = decode_splits(max(programs, 1), spec.num_kv_heads, longest, total, tiles.block_n,
                                               sms)
