@@ -448,3 +448,31 @@ def test_graph_ragged_batches_stay_where_only_torchs_copy_does_not_fit(monkeypat
     assert set(next(b for b in table.buckets if b.key == (8,)).times_us) == {"torch", "triton"}
     count, first = bucket_errors(out)["torch"]  # the report's reason for torch's missing times
     assert count == sum(1 for b in out["buckets"] if "left_out" in b) >= 3 and "half the free memory" in first
+
+
+def _graph_measured(ragged_us: dict, ragged_errors: dict) -> dict:
+    uniform = [{"key": [362, c], "label": f"362x{c}", "us": {"torch": 50.0, "triton": 100.0}, "spread": {},
+                "errors": {}} for c in bucket_grid.GRAPH_DECODE_CTX]
+    ragged = {"key": [362, 2048], "label": "ragged 362 (mean 2048, max 30000)", "ragged": True, "us": ragged_us,
+              "spread": {}, "errors": ragged_errors,
+              "left_out": {"torch": "not timed on this ragged batch: its copy ... would pass half the free memory"}}
+    return {"phase": "decode", "mode": "graph", "axes": ["batch", "context"], "grid_version": 0,
+            "buckets": uniform + [ragged], "skipped": [], "pruned": {}}
+
+
+@pytest.mark.parametrize("case", ["others failed there", "the one timed there is not usable"])
+def test_a_candidate_left_out_of_a_graph_ragged_batch_never_wins_its_batch_size(case):
+    """torch is left out of a graph ragged batch where its copy does not fit: the batch size must not go to it on
+    its uniform contexts alone, also when no other candidate has a time on that ragged batch (they failed there, or
+    the one that has is not usable): the row without times was dropped and torch scored over the rest."""
+    if case == "others failed there":
+        measured, order, usable = _graph_measured({}, {"triton": "raised OutOfMemoryError: CUDA out of memory"}), \
+            ["torch", "triton"], None
+    else:
+        measured, order, usable = _graph_measured({"fa3": 80.0}, {"triton": "raised RuntimeError: x"}), \
+            ["torch", "triton", "fa3"], {"torch", "triton"}
+    table = build_table(measured, order, usable)
+    served = {b.key: b.backend for b in table.buckets} if table is not None else {}
+    assert served.get((362,)) != "torch", served  # torch would gather 362 rows to the longest: not timed, not chosen
+    count, first = bucket_errors(measured)["torch"]
+    assert count == 1 and "half the free memory" in first

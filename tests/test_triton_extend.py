@@ -10,7 +10,9 @@ compared bit for bit with those the decode kernel gave before the kernel was gen
 (tests/fixtures/decode_outputs.pt; its sm_90 code is checked by tests/fixtures/triton_compile_check.py).
 GPU tests (marked gpu) run realistic sizes and CUDA-graph replays after in-place metadata updates.
 """
+import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -255,6 +257,29 @@ def test_split_plan_follows_the_batchs_own_lengths(monkeypatch):
         case.plan(get("triton"))
     span = min(case.max_seq_len, case.page_table.shape[1] * spec.page_size)
     assert seen[-1] == (40, span, 40 * span), seen
+
+
+def _extend_batch(klens, qlens, page_size=16):
+    pages = [-(-n // page_size) for n in klens]
+    table = torch.zeros((len(klens), max(pages)), dtype=torch.int32)
+    nxt = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.arange(nxt, nxt + n)
+        nxt += n
+    cu = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32)
+    return cu, table, nxt
+
+
+@pytest.mark.parametrize("bad,words", [(-5, "seq_lens[3] is -5"), (60, "seq_lens[3] is 60")])
+def test_triton_extend_eager_plan_refuses_lengths_its_read_shows_wrong(bad, words):
+    """The eager Triton extend plan reads the lengths on the host anyway (its split count): a negative length gave
+    zeros silently, and one past the page table's reach (3 pages x 16 = 48 tokens) read the next row's page ids
+    (silently wrong output). The read it already makes refuses both, naming the row."""
+    spec = AttentionSpec(4, 2, 64, "fp16", 16)
+    cu, table, pages = _extend_batch([2, 0, 7, 40, 1], [1, 0, 2, 4, 1])
+    lens = torch.tensor([2, 0, 7, bad, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=re.escape(words) + ".*allowed: 0"):
+        get("triton").plan_extend(spec, cu, table, lens, 4, 64)
 
 
 EXTEND_COMPILE_CHECKS = ["extend short split merge", "extend merge ordered", "extend long all",
