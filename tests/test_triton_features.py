@@ -6,6 +6,8 @@ The reference (tests/fixtures/feature_cases.py) is written from the AttentionSpe
 kernels.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -529,3 +531,15 @@ def test_the_prefill_only_fa3_variant_does_not_claim_the_decode_layout():
 
     assert [n for n in ("fa3", "fa3_packgqa", "fa3_split", "triton", "torch", "flashinfer")
             if decode_takes_b1hd(get(n))] == ["fa3", "fa3_packgqa", "triton"]
+
+
+@pytest.mark.parametrize("bad,words", [(-5, "seq_lens[2] is -5"), (49, "seq_lens[2] is 49")])
+def test_triton_decode_eager_plan_refuses_lengths_its_read_shows_wrong(bad, words):
+    """The eager decode plan reads the lengths on the host (its split count): a negative length gave zeros silently,
+    and one past the page table's reach (3 pages x 16 = 48 tokens) read the next row's page ids. That read refuses
+    both, naming the row and what is allowed."""
+    spec = _spec()
+    table = torch.arange(12, dtype=torch.int32).reshape(4, 3)
+    lens = torch.tensor([5, 48, bad, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^triton decode: " + re.escape(words) + r"; allowed: 0 .* 48 tokens"):
+        get("triton").plan_decode(spec, table, lens)

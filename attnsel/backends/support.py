@@ -87,6 +87,17 @@ def live_int32(t: torch.Tensor, *, rows: bool = False) -> tuple[torch.Tensor, Ca
     return copy, lambda: copy.copy_(t)
 
 
+def check_lengths(who: str, seq_lens: torch.Tensor, low: int, high: int, reach: int) -> None:
+    """For a plan that has read the batch's shortest (``low``) and longest (``high``) lengths on the host: ValueError
+    naming the first row whose length is negative or past the page table's ``reach`` in tokens (a kernel would read
+    the next row's page ids there)."""
+    if low >= 0 and high <= reach:
+        return
+    row = int((seq_lens < 0).logical_or(seq_lens > reach).nonzero()[0, 0])
+    raise ValueError(f"{who}: seq_lens[{row}] is {int(seq_lens[row])}; allowed: 0 (a padding row) up to the page "
+                     f"table's reach, {reach} tokens (page_table.shape[1] x page_size)")
+
+
 def refresh_captured(refreshes, t: torch.Tensor) -> None:
     """Call the ``live_int32`` refreshes that are not None when a CUDA graph is being captured on t's device."""
     if any(r is not None for r in refreshes) and capturing(t):

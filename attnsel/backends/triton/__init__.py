@@ -203,8 +203,13 @@ class TritonBackend:
                 max_len = min(max_len, spec.sliding_window)
             total_len = batch * max_len
         else:
-            spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)  # read
-            max_len, total_len = torch.stack((spans.max().long(), spans.sum())).tolist() if batch else (1, 1)
+            # one read: the split count, and a refusal of lengths the kernel cannot serve (support.check_lengths)
+            spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)
+            max_len, total_len = 1, 1
+            if batch:
+                low, high, max_len, total_len = torch.stack((seq_lens.min().long(), seq_lens.max().long(),
+                                                             spans.max().long(), spans.sum().long())).tolist()
+                support.check_lengths("triton decode", seq_lens, low, high, page_table.shape[1] * spec.page_size)
         sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
                if seq_lens.device.type == "cuda" else None)
         splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),

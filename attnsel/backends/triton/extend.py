@@ -72,15 +72,6 @@ def _check_plan_args(cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_l
                          f"{cu_seqlens_q.device}, {page_table.device}, {seq_lens.device}")
 
 
-def _check_lengths(seq_lens: torch.Tensor, low: int, high: int, reach: int) -> None:
-    """ValueError naming the first row whose length is negative or past the page table's ``reach`` in tokens."""
-    if low >= 0 and high <= reach:
-        return
-    row = int((seq_lens < 0).logical_or(seq_lens > reach).nonzero()[0, 0])
-    raise ValueError(f"triton extend: seq_lens[{row}] is {int(seq_lens[row])}; allowed: 0 (a padding row) up to the "
-                     f"page table's reach, {reach} tokens (page_table.shape[1] x page_size)")
-
-
 def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                 max_seqlen_q: int, max_seq_len: int) -> RunFn:
     """TritonBackend.plan_extend (the Backend protocol's contract)."""
@@ -110,7 +101,7 @@ def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: tor
         spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)
         low, high, most, summed = torch.stack((seq_lens.min().long(), seq_lens.max().long(), spans.max().long(),
                                                spans.sum().long())).tolist()
-        _check_lengths(seq_lens, low, high, page_table.shape[1] * spec.page_size)
+        support.check_lengths("triton extend", seq_lens, low, high, page_table.shape[1] * spec.page_size)
         longest, total = max(1, min(span, most)), max(1, q_tiles * summed)
     splits, target, min_chunk = decode_splits(max(programs, 1), spec.num_kv_heads, longest, total, tiles.block_n,
                                               sms)
