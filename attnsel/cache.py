@@ -225,15 +225,19 @@ def _dispatch_problem(entry: dict) -> str | None:
                 and isinstance(b.get("key"), list) and len(b["key"]) == axes
                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in b["key"])
                 and all(_number_or_none(t) for t in b["us"].values())
-                and all(isinstance(b.get(f, {}), dict) for f in ("errors", "spread"))
+                and isinstance(b.get("spread", {}), dict)
+                and all(isinstance(b.get(f, {}), dict) and all(isinstance(n, str) and isinstance(r, str)
+                                                               for n, r in b.get(f, {}).items())
+                        for f in ("errors", "left_out"))
                 and all(_number_or_none(s) for s in b.get("spread", {}).values())
                 and all(_number_or_none(b.get(f)) for f in ("host", "host_us"))
                 and isinstance(b.get("ragged", False), bool)
                 and isinstance(b.get("pruned_near", []), list)
                 and all(isinstance(n, str) for n in b.get("pruned_near", []))):
             return ("a dispatch bucket without us (times: finite, >= 0, or null), key (one int >= 1 per axis) and "
-                    "label, or with a ragged flag that is not true/false, a host probe that is not a number or "
-                    "pruned_near candidates that are not a list of names")
+                    "label, or with a ragged flag that is not true/false, a host probe that is not a number, "
+                    "pruned_near candidates that are not a list of names, or errors / left_out that are not "
+                    "objects of candidate -> reason")
     return None
 
 

@@ -153,6 +153,9 @@ def test_entry_problem_reads_dispatch_entries_as_selection_does():
              "key-text": lambda e: e["measured"]["buckets"][0].update(key=["a", "b"]),
              "errors": lambda e: e["measured"]["buckets"][0].update(errors=[1]),
              "spread": lambda e: e["measured"]["buckets"][0].update(spread=[1]),
+             # a list where the store reads a name -> reason dict: store.bucket_errors crashed on it
+             "left-out": lambda e: e["measured"]["buckets"][0].update(left_out=["torch"]),
+             "left-out-reason": lambda e: e["measured"]["buckets"][0].update(left_out={"torch": 3}),
              "us-bool": lambda e: e["measured"]["buckets"][0]["us"].update(torch=True),
              # review 2026-12-05: each of these passed, then crashed every run (a null pruned ratio: the report's
              # format; keys below 1: math.log/sqrt at lookup) or put Infinity into `attnsel report --json`
