@@ -416,7 +416,7 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     rows = []
     for b in uniform + ([dict(r, ragged=True) for r in ragged] if graph else []):
         times = {n: t for n, t in b["us"].items() if n in usable and t and t > 0}
-        if times:
+        if times or graph:  # graph: a shape no candidate ran still bars them all from its batch size (below)
             rows.append((tuple(b["key"]), b["label"], times, b.get("spread", {}), b.get("host"), b.get("ragged")))
     if not rows:
         return None
@@ -426,7 +426,7 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
         for key, label, times, spread, _, is_ragged in rows:  # graph mode: no host probes
             by_batch.setdefault(key[0], []).append((key, times, spread, is_ragged))
         # a candidate left out of a shape (timing.left_out: it would not fit) never serves its batch size, also
-        # where that shape's row is gone above (no usable candidate has a time there)
+        # where no usable candidate has a time on that shape
         unfit: dict[int, set] = {}
         for b in measured["buckets"]:
             unfit.setdefault(b["key"][0], set()).update(b.get("left_out", {}))

@@ -476,3 +476,20 @@ def test_a_candidate_left_out_of_a_graph_ragged_batch_never_wins_its_batch_size(
     assert served.get((362,)) != "torch", served  # torch would gather 362 rows to the longest: not timed, not chosen
     count, first = bucket_errors(measured)["torch"]
     assert count == 1 and "half the free memory" in first
+
+
+@pytest.mark.parametrize("failed", ["ragged", "uniform"])
+def test_a_graph_shape_every_candidate_failed_leaves_no_winner_for_its_batch_size(failed):
+    """Under graphs a batch size is served by one backend at every length, so a candidate must have a time on each
+    of its shapes. Where every candidate failed one shape (the ragged batch, or one uniform context), that shape's
+    row was dropped and the batch size scored on the others: a backend that raised on it served the batch size."""
+    measured = _graph_measured({"torch": 40.0, "triton": 90.0}, {})
+    del measured["buckets"][-1]["left_out"]
+    bad = measured["buckets"][-1] if failed == "ragged" else measured["buckets"][1]
+    bad["us"], bad["errors"] = {}, {"torch": "raised RuntimeError: x", "triton": "wrong output after the timed "
+                                                                                 "graph runs: row 3"}
+    assert build_table(measured, ["torch", "triton"]) is None
+    measured["buckets"].insert(0, {"key": [1, 512], "label": "1x512", "us": {"torch": 5.0, "triton": 4.0},
+                                   "spread": {}, "errors": {}})
+    table = build_table(measured, ["torch", "triton"])
+    assert [(b.key, b.backend) for b in table.buckets] == [((1,), "triton")]
