@@ -159,12 +159,47 @@ def test_workspace_holds_what_a_plan_of_the_spec_may_take(fake_flashinfer, monke
 
     class Wrapper(FakePrefillWrapper):
         def __init__(self, workspace, layout, backend="auto"):
-            seen.append(workspace.numel())
+            seen.append(workspace)
 
     monkeypatch.setattr(fake_flashinfer, "BatchPrefillWithRaggedKVCacheWrapper", Wrapper, raising=False)
     monkeypatch.setattr(fi, "_sms", lambda device: h100)
-    monkeypatch.setattr(fi, "_workspace", lambda device, nbytes: torch.empty(nbytes, dtype=torch.uint8, device="meta"))
+    monkeypatch.setattr(fi, "_workspaces", {}, raising=False)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    fi.BACKEND_FA2.plan_prefill(AttentionSpec(8, 1, 128), cu, cu, 5, 5)
-    fi.BACKEND_FA2.plan_prefill(AttentionSpec(4, 2, 16), cu, cu, 5, 5)
-    assert seen[0] >= fi.plan_bytes(AttentionSpec(8, 1, 128), h100) and seen[1] == 8 << 20, seen
+    big = fi.BACKEND_FA2.plan_prefill(AttentionSpec(8, 1, 128), cu, cu, 5, 5)
+    small = fi.BACKEND_FA2.plan_prefill(AttentionSpec(4, 2, 16), cu, cu, 5, 5)  # a second wrapper: big holds one
+    assert len(seen) == 2 and seen[0].numel() >= fi.plan_bytes(AttentionSpec(8, 1, 128), h100)
+    assert seen[1] is seen[0]  # one buffer per device: the smaller spec's plans run in the larger one
+    del big, small
+
+
+def test_a_larger_workspace_retires_the_smaller_one(fake_flashinfer, monkeypatch):
+    """A process that served a spec within the floor and then one that needs more kept both buffers (one per size,
+    with up to FREE_KEPT idle wrappers on each) for good. Now the device's buffer grows: free wrappers on the smaller
+    one leave the pool, the smaller buffer is freed once no run function holds a wrapper on it, and later plans of
+    either spec run in the larger buffer."""
+    import weakref
+
+    made = []
+
+    class Wrapper(FakePrefillWrapper):
+        def __init__(self, workspace, layout, backend="auto"):
+            made.append(workspace)
+
+    monkeypatch.setattr(fake_flashinfer, "BatchPrefillWithRaggedKVCacheWrapper", Wrapper, raising=False)
+    monkeypatch.setattr(fi, "_sms", lambda device: 132)
+    monkeypatch.setattr(fi, "_workspaces", {}, raising=False)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    small_spec, big_spec = AttentionSpec(4, 2, 16), AttentionSpec(8, 1, 128)
+    run = fi.BACKEND_FA2.plan_prefill(small_spec, cu, cu, 5, 5)
+    first = weakref.ref(made[0])
+    assert made[0].numel() == 8 << 20
+    del run  # its wrapper is free now, on the 8 MiB buffer
+    run = fi.BACKEND_FA2.plan_prefill(big_spec, cu, cu, 5, 5)
+    assert len(made) == 2 and made[1].numel() >= fi.plan_bytes(big_spec, 132)
+    del run
+    made.clear()
+    gc.collect()
+    assert first() is None  # the free wrapper on it left the pool: the 8 MiB buffer is gone
+    fi.BACKEND_FA2.plan_prefill(small_spec, cu, cu, 5, 5)
+    assert made == [] and [w.attnsel_ws_bytes for w in fi._pools[next(iter(fi._pools))]] == [
+        fi._workspaces[torch.device("cpu")].numel()]

@@ -19,16 +19,16 @@ sink to the first KV tile's softmax state; extend plans it as it comes, decode w
 with the ragged k/v viewed as a paged cache of page size 1. That variant has no softcap and no fp8 dequantisation:
 declined with sinks.
 
-Workspace: one zeroed float buffer per device and size: ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128, FlashInfer's
-recommendation for real batches), or more where a spec's plans may need more on this GPU (``plan_bytes``), used for
-validation and serving alike, shared by the wrappers of the device (their runs go on one stream). A wrapper holds
-one plan, and every live run function owns its wrapper (``_take``): a later plan takes another wrapper from a pool
-per device and variant, so a run function, and a CUDA graph captured from it, stays valid as long as it is kept.
+Workspace: one zeroed float buffer per device, the largest asked for: ATTNSEL_FLASHINFER_WORKSPACE_MB (default 128,
+FlashInfer's recommendation for real batches), or more where a spec's plans may need more on this GPU
+(``plan_bytes``), used for validation and serving alike, shared by the wrappers of the device (their runs go on one
+stream). A wrapper holds one plan, and every live run function owns its wrapper (``_take``): a later plan takes
+another wrapper from a pool per device and variant, so a run function, and a CUDA graph captured from it, stays
+valid as long as it is kept.
 FlashInfer JIT-compiles kernels on first use (minutes on a fresh machine) into ``jit_cache_dir()``.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -85,13 +85,20 @@ def jit_cache_dir() -> str:
     return os.path.join(base, ".cache", "flashinfer")
 
 
-@functools.cache
 def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    """The device's float workspace, at least ``nbytes``: the largest asked for so far. A larger request replaces it
+    (wrappers made on the smaller one keep it while they live; ``_take`` retires free ones), so a process serving
+    specs of different bounds holds one buffer per device, not one per size."""
+    with _pool_lock:
+        ws = _workspaces.get(device)
+        if ws is None or ws.numel() < nbytes:
+            ws = _workspaces[device] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return ws
 
 
 FREE_KEPT = 4  # wrappers without a live plan kept per kind for reuse (each holds 8 MB of int workspace + 8 MB pinned)
 _pools: dict = {}
+_workspaces: dict = {}  # device -> its float workspace (``_workspace``)
 _pool_lock = threading.Lock()
 
 
@@ -118,8 +125,9 @@ def _released_on_error(plan, *args) -> RunFn:
         del taken[mark:]
 
 
-def _take(key: tuple, make) -> tuple[object, _Hold]:
-    """A wrapper of ``key`` that no live run function holds (a new one from ``make()`` if none is free).
+def _take(key: tuple, nbytes: int, make) -> tuple[object, _Hold]:
+    """A wrapper of ``key`` that no live run function holds and whose float workspace has at least ``nbytes`` (a new
+    one from ``make()`` if none is free; free ones on a smaller workspace leave the pool, and with them the buffer).
 
     A FlashInfer wrapper keeps one plan, and planning rewrites its buffers and workspace in place: a run function,
     and any CUDA graph captured from it, replays what its wrapper holds at replay time. So every live run function
@@ -130,14 +138,19 @@ def _take(key: tuple, make) -> tuple[object, _Hold]:
     with _pool_lock:
         pool = _pools.setdefault(key, [])
         free = [w for w in pool if w.attnsel_owner() is None]
+        for small in [w for w in free if w.attnsel_ws_bytes < nbytes]:
+            pool.remove(small)
+            free.remove(small)
         for extra in free[FREE_KEPT:]:
             pool.remove(extra)
         wrapper = free[0] if free else None
         if wrapper is not None:
             wrapper.attnsel_owner = weakref.ref(hold)
     if wrapper is None:
-        wrapper = make()  # outside the lock: a first sinks wrapper builds its JIT module (minutes)
+        ws = _workspace(key[0], nbytes)
+        wrapper = make(ws)  # outside the lock: a first sinks wrapper builds its JIT module (minutes)
         wrapper.attnsel_owner = weakref.ref(hold)
+        wrapper.attnsel_ws_bytes = ws.numel()
         with _pool_lock:
             pool.append(wrapper)
     _planning.__dict__.setdefault("taken", []).append(wrapper)
@@ -151,10 +164,9 @@ def _wrapper(device: torch.device, kind: str, nbytes: int, template: str, spec: 
     and the spec's q/KV dtypes (a wrapper resolves its "auto" template once, on its first plan), and its hold (see
     ``_take``). The wrappers of a device share one float workspace: their runs must be issued on one stream (as an
     engine's layers are)."""
-    def make():
+    def make(ws):
         import flashinfer
 
-        ws = _workspace(device, nbytes)
         if kind == "prefill":
             return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=template)
         if kind == "extend":
@@ -162,21 +174,21 @@ def _wrapper(device: torch.device, kind: str, nbytes: int, template: str, spec: 
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=(kind == "decode_tc"),
                                                              backend=template)
 
-    return _take((device, kind, nbytes, template, spec.torch_dtype, spec.kv_torch_dtype), make)
+    return _take((device, kind, template, spec.torch_dtype, spec.kv_torch_dtype), nbytes, make)
 
 
 def _sink_wrapper(device: torch.device, phase: str, nbytes: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                   head_dim: int, window_left: int) -> tuple[object, _Hold]:
     """FlashInfer's attention-sink variant (one JIT module per dtype, head_dim and windowed-or-not), taken like the
     others."""
-    def make():
+    def make(ws):
         import flashinfer
 
         return flashinfer.BatchAttentionWithAttentionSinkWrapper(
-            _workspace(device, nbytes), "NHD", backend="auto", q_data_type=q_dtype, kv_data_type=kv_dtype,
+            ws, "NHD", backend="auto", q_data_type=q_dtype, kv_data_type=kv_dtype,
             head_dim_qk=head_dim, head_dim_vo=head_dim, window_left=window_left)
 
-    return _take((device, "sinks-" + phase, nbytes, q_dtype, kv_dtype, head_dim, window_left), make)
+    return _take((device, "sinks-" + phase, q_dtype, kv_dtype, head_dim, window_left), nbytes, make)
 
 
 def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
