@@ -183,6 +183,7 @@ def test_a_larger_workspace_retires_the_smaller_one(fake_flashinfer, monkeypatch
 
     class Wrapper(FakePrefillWrapper):
         def __init__(self, workspace, layout, backend="auto"):
+            self.workspace = workspace  # as FlashInfer's wrappers keep it (else the weakref below proves nothing)
             made.append(workspace)
 
     monkeypatch.setattr(fake_flashinfer, "BatchPrefillWithRaggedKVCacheWrapper", Wrapper, raising=False)
@@ -203,3 +204,48 @@ def test_a_larger_workspace_retires_the_smaller_one(fake_flashinfer, monkeypatch
     fi.BACKEND_FA2.plan_prefill(small_spec, cu, cu, 5, 5)
     assert made == [] and [w.attnsel_ws_bytes for w in fi._pools[next(iter(fi._pools))]] == [
         fi._workspaces[torch.device("cpu")].numel()]
+
+
+def test_a_grown_workspace_keeps_no_idle_wrapper_on_the_old_one(fake_flashinfer, monkeypatch):
+    """Only free wrappers of the pool being planned from, and only those on less than that plan needs, left the pool:
+    a decode wrapper freed before the buffer grew (another pool), and a prefill wrapper whose run function outlived
+    the growth, stayed on the old buffer and were taken again by the smaller spec's next plans, so the process kept
+    both buffers for good. A free wrapper on an older buffer now leaves every pool of the device when it grows, and
+    is never taken again."""
+    import weakref
+
+    made = []
+
+    class Prefill(FakePrefillWrapper):
+        def __init__(self, workspace, layout, backend="auto"):
+            self.workspace = workspace  # as FlashInfer's wrappers keep it
+            made.append(workspace)
+
+    class Decode(FakeDecodeWrapper):
+        def __init__(self, workspace, layout, use_tensor_cores=False, backend="auto"):
+            self.workspace = workspace
+            made.append(workspace)
+
+    monkeypatch.setattr(fake_flashinfer, "BatchPrefillWithRaggedKVCacheWrapper", Prefill, raising=False)
+    monkeypatch.setattr(fake_flashinfer, "BatchDecodeWithPagedKVCacheWrapper", Decode)
+    monkeypatch.setattr(fi, "_sms", lambda device: 132)
+    monkeypatch.setattr(fi, "_workspaces", {}, raising=False)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    table, lens = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+    small_spec, big_spec = AttentionSpec(4, 2, 16, page_size=4), AttentionSpec(8, 1, 128)
+    decode = fi.BACKEND_FA2.plan_decode(small_spec, table, lens)
+    prefill = fi.BACKEND_FA2.plan_prefill(small_spec, cu, cu, 5, 5)
+    old = weakref.ref(made[0])
+    assert made[1] is made[0] and made[0].numel() == 8 << 20
+    del decode  # free, in the decode pool, on the 8 MiB buffer
+    big = fi.BACKEND_FA2.plan_prefill(big_spec, cu, cu, 5, 5)  # the device's buffer grows
+    del prefill, big  # the small prefill's run function outlived the growth
+    made.clear()
+    gc.collect()
+    runs = [fi.BACKEND_FA2.plan_decode(small_spec, table, lens),
+            fi.BACKEND_FA2.plan_prefill(small_spec, cu, cu, 5, 5)]
+    gc.collect()
+    assert old() is None, "the 8 MiB buffer is still held by a pooled wrapper"
+    current = fi._workspaces[torch.device("cpu")].numel()
+    assert {w.attnsel_ws_bytes for pool in fi._pools.values() for w in pool} == {current}
+    del runs

@@ -86,13 +86,16 @@ def jit_cache_dir() -> str:
 
 
 def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
-    """The device's float workspace, at least ``nbytes``: the largest asked for so far. A larger request replaces it
-    (wrappers made on the smaller one keep it while they live; ``_take`` retires free ones), so a process serving
-    specs of different bounds holds one buffer per device, not one per size."""
+    """The device's float workspace, at least ``nbytes``: the largest asked for so far. A larger request replaces it:
+    the free wrappers on older buffers leave every pool of the device now, those of live run functions keep theirs
+    until ``_take`` finds them free, so a process serving specs of different bounds ends with one buffer per device."""
     with _pool_lock:
         ws = _workspaces.get(device)
         if ws is None or ws.numel() < nbytes:
             ws = _workspaces[device] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            for key, pool in _pools.items():
+                if key[0] == device:
+                    pool[:] = [w for w in pool if w.attnsel_ws_bytes >= nbytes or w.attnsel_owner() is not None]
         return ws
 
 
@@ -126,8 +129,8 @@ def _released_on_error(plan, *args) -> RunFn:
 
 
 def _take(key: tuple, nbytes: int, make) -> tuple[object, _Hold]:
-    """A wrapper of ``key`` that no live run function holds and whose float workspace has at least ``nbytes`` (a new
-    one from ``make()`` if none is free; free ones on a smaller workspace leave the pool, and with them the buffer).
+    """A wrapper of ``key`` that no live run function holds, on the device's current float workspace (``_workspace``,
+    at least ``nbytes``): a new one from ``make(ws)`` if none is free; free ones on an older buffer leave the pool.
 
     A FlashInfer wrapper keeps one plan, and planning rewrites its buffers and workspace in place: a run function,
     and any CUDA graph captured from it, replays what its wrapper holds at replay time. So every live run function
@@ -138,7 +141,9 @@ def _take(key: tuple, nbytes: int, make) -> tuple[object, _Hold]:
     with _pool_lock:
         pool = _pools.setdefault(key, [])
         free = [w for w in pool if w.attnsel_owner() is None]
-        for small in [w for w in free if w.attnsel_ws_bytes < nbytes]:
+        current = _workspaces.get(key[0])  # buffers only grow: a wrapper on less than the current one is on an old one
+        least = max(nbytes, current.numel() if current is not None else 0)
+        for small in [w for w in free if w.attnsel_ws_bytes < least]:
             pool.remove(small)
             free.remove(small)
         for extra in free[FREE_KEPT:]:
