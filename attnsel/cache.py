@@ -207,12 +207,15 @@ def _dispatch_problem(entry: dict) -> str | None:
         return "a dispatch entry without phase, mode, axes, buckets and grid_version"
     if not isinstance(measured["phase"], str) or not isinstance(measured["mode"], str):
         return "a dispatch entry whose phase or mode is not text"
-    if not isinstance(measured["buckets"], list) or not isinstance(measured["axes"], list):
-        return "a dispatch entry whose buckets or axes are not lists"
+    if (not isinstance(measured["buckets"], list) or not isinstance(measured["axes"], list)
+            or not all(isinstance(a, str) for a in measured["axes"])):
+        return "a dispatch entry whose buckets are not a list or axes not a list of names"
     pruned = measured.get("pruned", {})
     if (not isinstance(pruned, dict) or not all(_number_or_none(r) and r is not None for r in pruned.values())
-            or not isinstance(measured.get("skipped", []), list)):
-        return "a dispatch entry whose pruned or skipped candidates are malformed (pruned: candidate -> ratio)"
+            or not isinstance(measured.get("skipped", []), list)
+            or not all(isinstance(x, str) for x in measured.get("skipped", []))):
+        return ("a dispatch entry whose pruned or skipped candidates are malformed (pruned: candidate -> ratio; "
+                "skipped: bucket labels)")
     near = measured.get("pruned_near", {})  # the selector's reasons read {candidate: finer buckets it skipped}
     if not isinstance(near, dict) or not all(isinstance(n, str) and type(c) is int and c >= 0
                                              for n, c in near.items()):

@@ -156,6 +156,9 @@ def test_entry_problem_reads_dispatch_entries_as_selection_does():
              # a list where the store reads a name -> reason dict: store.bucket_errors crashed on it
              "left-out": lambda e: e["measured"]["buckets"][0].update(left_out=["torch"]),
              "left-out-reason": lambda e: e["measured"]["buckets"][0].update(left_out={"torch": 3}),
+             # labels build_table reads with str.startswith and the report joins: AttributeError / TypeError later
+             "skipped-item": lambda e: e["measured"].update(skipped=[3]),
+             "axes-item": lambda e: e["measured"].update(axes=[1, 2]),
              "us-bool": lambda e: e["measured"]["buckets"][0]["us"].update(torch=True),
              # review 2026-12-05: each of these passed, then crashed every run (a null pruned ratio: the report's
              # format; keys below 1: math.log/sqrt at lookup) or put Infinity into `attnsel report --json`
