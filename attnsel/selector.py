@@ -15,7 +15,8 @@ from .device import fingerprint
 from .dispatch import DispatchTable, _geomean, build_table
 from .errors import InvalidArgument
 from .spec import AttentionSpec
-from .store import Store, TableKey, bucket_errors, recorded_share, time_again, usable, validate_again
+from .store import (Store, TableKey, bucket_errors, recorded_share, time_again, usable, validate_again,
+                    wrong_outputs)
 from .validate import runner, timing
 
 log = logging.getLogger(__name__)
@@ -203,11 +204,13 @@ class _Run:
         if phase not in self.timings:
             return None
         done = self.timings[phase]["measured"]
-        table = build_table(done, valid)
+        garbage = wrong_outputs(done)
+        table = build_table(done, valid, set(valid) - set(garbage))
         if table is None:
-            self.jobs.errors[phase] = "no candidate was timed in any bucket"
+            self.jobs.errors[phase] = ("every candidate computed a wrong output at some timed shape" if garbage and
+                                       not set(valid) - set(garbage) else "no candidate was timed in any bucket")
             return None
-        _annotate(self.found, phase, valid, table, bucket_errors(done), done.get("pruned_near") or {})
+        _annotate(self.found, phase, valid, table, bucket_errors(done), done.get("pruned_near") or {}, garbage)
         if phase in to_time and not done.get("transient") and time_again(self.timings[phase], valid, share) is None:
             self.store.put_timings(self.table_key(phase), len(table.buckets), valid, done, share)
         return table
@@ -256,16 +259,19 @@ class _Jobs:
 
 
 def _annotate(found: dict, phase: Phase, valid: list[str], table: DispatchTable, errors: dict,
-              pruned_near: dict | None = None) -> None:
+              pruned_near: dict | None = None, garbage: dict | None = None) -> None:
     """Each valid candidate's times per bucket, its score, and why it has no time somewhere or was pruned
-    (``pruned_near``: timing.measure's count of the finer buckets that skipped each candidate)."""
+    (``pruned_near``: timing.measure's count of the finer buckets that skipped each candidate), or serves nothing
+    (``garbage``: store.wrong_outputs)."""
     pruned = dict(table.pruned)
     for name in valid:
         cand = found[(name, phase)]
         times = {b.label: b.times_us[name] for b in table.buckets if name in b.times_us}
         cand.timings_us = times or None
         cand.score_us = _geomean(list(times.values())) if times else None
-        if name in errors:
+        if name in (garbage or {}):
+            cand.reason = f"computed a wrong output at a timed shape, so it serves no {phase} batch: {garbage[name]}"
+        elif name in errors:
             count, first = errors[name]
             cand.reason = f"no time in {count} bucket(s): {first}"
         elif name in pruned:

@@ -10,7 +10,7 @@ import math
 
 from .cache import ResultCache, entry_key
 from .spec import AttentionSpec
-from .validate import timing
+from .validate import WRONG_OUTPUT, timing
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -44,6 +44,17 @@ def bucket_errors(measured: dict) -> dict[str, tuple[int, str]]:
         for name, reason in {**b.get("left_out", {}), **b.get("errors", {})}.items():
             count, first = out.get(name, (0, f"{b['label']}: {reason}"))
             out[name] = (count + 1, first)
+    return out
+
+
+def wrong_outputs(measured: dict) -> dict[str, str]:
+    """name -> the first reason, for the candidates that computed a wrong output at some timed shape: they serve no
+    shape of the phase (a lookup near a bucket they won could land past the shape where they break)."""
+    out: dict[str, str] = {}
+    for b in measured["buckets"]:
+        for name, reason in b.get("errors", {}).items():
+            if reason.startswith(WRONG_OUTPUT):
+                out.setdefault(name, f"{b['label']}: {reason}")
     return out
 
 

@@ -188,11 +188,31 @@ def test_a_table_whose_candidate_got_no_time_is_reused_with_its_reason(monkeypat
     kw = dict(budget_s=2, prefill_priority=["stale_when_timed", "torch"], decode="torch")
     first = select(spec, **kw)
     stale = next(c for c in first.candidates["prefill"] if c.name == "stale_when_timed")
-    assert stale.reason.startswith("no time in ") and "wrong output" in stale.reason
+    assert stale.reason.startswith("computed a wrong output at a timed shape") and "1x16: wrong output" in stale.reason
     again = select(spec, **kw)
     assert again.cache == "hit" and again.stats["spawns"] == 0
     assert next(c for c in again.candidates["prefill"] if c.name == "stale_when_timed").reason == stale.reason
     assert again.prefill == first.prefill == "torch"
+
+
+@pytest.mark.usefixtures("thread_or_process_worker")
+def test_a_candidate_wrong_at_a_timed_shape_serves_no_shape_of_the_phase(monkeypatch, tmp_path):
+    """wrong_at_4 passes validation (no case has 4 sequences) and computes garbage on batches of 4: timing caught it
+    there, but it still won the other buckets and served the batches a lookup takes to them, including batches of 4
+    by interpolation or near a bucket it won. A candidate that computed a wrong output at any timed shape now
+    serves none of the phase, with the reason in the report; the cached table keeps that verdict."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:WRONG_AT_BATCH_4")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    spec = AttentionSpec(4, 2, 64, "fp32", page_size=16)
+    kw = dict(budget_s=4, prefill="torch", decode_priority=["wrong_at_4", "torch"])
+    for run in ("cold", "cached"):
+        sel = select(spec, **kw)
+        bad = next(c for c in sel.candidates["decode"] if c.name == "wrong_at_4")
+        assert bad.status == "valid" and "wrong output" in bad.reason and "serves no decode batch" in bad.reason, run
+        table = sel.dispatch["decode"]
+        assert {b.backend for b in table.buckets} == {"torch"}, run
+        assert {table.backend_for((n, c)) for n in range(1, 40) for c in (16, 32, 256)} == {"torch"}, run
+    assert sel.cache == "hit"
 
 
 def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):

@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 
 from ..spec import AttentionSpec
-from . import TIMING_TASK  # noqa: F401 (timing.TIMING_TASK: the worker's and the selector's name for it)
+from . import TIMING_TASK, WRONG_OUTPUT  # noqa: F401 (timing.TIMING_TASK: the worker's and selector's name for it)
 from .cases import clear_output
 from .engine_capture import capture_args
 from .spot import spot_compare, spot_reference
@@ -280,7 +280,7 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     def wrong(name: str) -> bool:  # a fast wrong answer must not win: check what the timed plan computed
         reason = _timed_output_reason(prepared[name], spec, phase, plan_args, sets, device, references)
         if reason:
-            errors[name] = f"wrong output after the timed {mode} runs: {reason}"
+            errors[name] = f"{WRONG_OUTPUT} {mode} runs: {reason}"
             del prepared[name]
         return bool(reason)
 
