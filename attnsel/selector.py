@@ -207,8 +207,12 @@ class _Run:
         garbage = wrong_outputs(done)
         table = build_table(done, valid, set(valid) - set(garbage))
         if table is None:
-            self.jobs.errors[phase] = ("every candidate computed a wrong output at some timed shape" if garbage and
-                                       not set(valid) - set(garbage) else "no candidate was timed in any bucket")
+            failed = bucket_errors(done)
+            self.jobs.errors[phase] = ("no candidate has a time on every shape of any bucket; first failure: "
+                                       + next(iter(failed.values()))[1] if failed
+                                       else "no candidate was timed in any bucket")
+            for name in garbage:  # rejected, with the reason (the others: not timed, note_untimed)
+                _annotate(self.found, phase, [name], None, {}, None, garbage)
             return None
         _annotate(self.found, phase, valid, table, bucket_errors(done), done.get("pruned_near") or {}, garbage)
         if phase in to_time and not done.get("transient") and time_again(self.timings[phase], valid, share) is None:
@@ -258,18 +262,19 @@ class _Jobs:
         return results
 
 
-def _annotate(found: dict, phase: Phase, valid: list[str], table: DispatchTable, errors: dict,
+def _annotate(found: dict, phase: Phase, valid: list[str], table: DispatchTable | None, errors: dict,
               pruned_near: dict | None = None, garbage: dict | None = None) -> None:
     """Each valid candidate's times per bucket, its score, and why it has no time somewhere or was pruned
     (``pruned_near``: timing.measure's count of the finer buckets that skipped each candidate), or serves nothing
     (``garbage``: store.wrong_outputs)."""
-    pruned = dict(table.pruned)
+    pruned = dict(table.pruned) if table is not None else {}
     for name in valid:
         cand = found[(name, phase)]
-        times = {b.label: b.times_us[name] for b in table.buckets if name in b.times_us}
+        times = {b.label: b.times_us[name] for b in table.buckets if name in b.times_us} if table is not None else {}
         cand.timings_us = times or None
         cand.score_us = _geomean(list(times.values())) if times else None
-        if name in (garbage or {}):
+        if name in (garbage or {}):  # rejected: without a table the first valid candidate would serve
+            cand.status = "rejected"
             cand.reason = f"computed a wrong output at a timed shape, so it serves no {phase} batch: {garbage[name]}"
         elif name in errors:
             count, first = errors[name]

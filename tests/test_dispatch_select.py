@@ -208,11 +208,37 @@ def test_a_candidate_wrong_at_a_timed_shape_serves_no_shape_of_the_phase(monkeyp
     for run in ("cold", "cached"):
         sel = select(spec, **kw)
         bad = next(c for c in sel.candidates["decode"] if c.name == "wrong_at_4")
-        assert bad.status == "valid" and "wrong output" in bad.reason and "serves no decode batch" in bad.reason, run
+        assert bad.status == "rejected" and "wrong output" in bad.reason and "serves no decode batch" in bad.reason, run
         table = sel.dispatch["decode"]
         assert {b.backend for b in table.buckets} == {"torch"}, run
         assert {table.backend_for((n, c)) for n in range(1, 40) for c in (16, 32, 256)} == {"torch"}, run
     assert sel.cache == "hit"
+
+
+@pytest.mark.usefixtures("thread_or_process_worker")
+def test_a_phase_whose_every_candidate_computed_garbage_is_refused(monkeypatch, tmp_path):
+    """Both decode candidates compute garbage on batches of 4: with no table the selection fell back to the first
+    valid candidate, which served that garbage. They are rejected now, so the selection fails and names why."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:WRONG_AT_BATCH_4_PAIR")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    spec = AttentionSpec(4, 2, 64, "fp32", page_size=16)
+    with pytest.raises(SelectionError, match=r"no backend can serve decode: wrong_at_4_1: rejected: computed a wrong "
+                                             r"output at a timed shape, so it serves no decode batch: 4x32: wrong"):
+        select(spec, budget_s=2, prefill="torch", decode_priority=["wrong_at_4_1", "wrong_at_4_2"])
+
+
+@pytest.mark.usefixtures("thread_or_process_worker")
+def test_a_phase_whose_every_candidate_failed_its_timing_says_what_failed(monkeypatch, tmp_path):
+    """Both decode candidates pass validation and raise in every timed run: no table. The report said "no candidate
+    was timed in any bucket", as if nothing had run; it now quotes the first failure."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:RAISE_WHEN_TIMED")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    spec = AttentionSpec(4, 2, 64, "fp32", page_size=16)
+    sel = select(spec, budget_s=2, prefill="torch", decode_priority=["raise_when_timed_1", "raise_when_timed_2"])
+    assert sel.dispatch.get("decode") is None
+    for cand in sel.candidates["decode"]:
+        assert "no candidate has a time on every shape of any bucket; first failure: 1x32: raised RuntimeError: " \
+               "stand-in kernel failure" in cand.reason, cand
 
 
 def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
