@@ -397,7 +397,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 # command -> (its line in the help, what adds its flags)
 COMMANDS = {"report": ("validate and select backends, then show every backend x phase", _report_args),
-            "select": ("validate and select backends; print the two choices", _select_args),
+            "select": ("validate and select backends; print the choice per phase", _select_args),
             "bench": ("time every valid backend over a grid of shapes (needs CUDA)", _bench_args),
             "cache": ("show, locate or clear the result cache", _cache_args),
             "serve": ("serve a model with transformers' OpenAI-compatible server on attnsel", _serve_args)}
