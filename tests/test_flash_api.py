@@ -729,7 +729,7 @@ def test_kvcache_triton_with_a_strided_q(monkeypatch, layout, splits):
     strides (they differ from out's here, unlike for a contiguous q)."""
     import attnsel.backends.triton as tb
 
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (splits, 2**30, 1))
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "triton")
     lens, hq, hk, d, ps = [1, 5, 16, 21], 4, 2, 16, 4

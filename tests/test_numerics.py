@@ -72,7 +72,7 @@ def test_triton_decode_split_path_matches_single_split(monkeypatch):
     backend = get("triton")
     outs = {}
     for splits in (1, 3):
-        monkeypatch.setattr(tb, "decode_splits", lambda *a, s=splits: (s, 2**30, 1))  # every row uses s splits
+        monkeypatch.setattr(tb, "decode_splits", lambda *a, s=splits, **k: (s, 2**30, 1))  # every row uses s splits
         outs[splits] = backend.plan_decode(spec, case.page_table, case.seq_lens)(case.q, case.k_cache, case.v_cache)
         assert check_output(spec, outs[splits], case)["status"] == "valid"
     assert (outs[1].float() - outs[3].float()).abs().max().item() < 2e-3

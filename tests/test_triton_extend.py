@@ -121,7 +121,7 @@ def test_decode_output_unchanged(name, monkeypatch):
     generalised to query tiles: single and split, merged in the kernel and by the reduce kernel, fp8."""
     spec, splits, merge = DECODE_CASES[name]
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", merge)
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (splits, 2**30, 1))
     case = decode_case(spec, CPU, DECODE_LENS, sentinel=-1)
     out = get("triton").plan_decode(spec, *case.plan_args)(*case.inputs, **case.kwargs)
     before = torch.load(FIXTURES / "decode_outputs.pt")[name]

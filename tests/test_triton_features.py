@@ -96,7 +96,7 @@ DECODE_LENS = [0, 1, 17, 45, 0, 130, 32]  # zero-length rows (CUDA-graph padding
 def _decode(spec, splits, monkeypatch, lens=DECODE_LENS, sentinel="nan_page"):
     """Triton's output and the reference; with splits, the in-kernel merge (MERGE_IN_DECODE_KERNEL) must give the
     reduce kernel's output bit for bit (same arithmetic)."""
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 2**30, 1))  # chunk 1: every row of >= splits tokens
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (splits, 2**30, 1))  # chunk 1: every row of >= splits tokens
     # uses all splits, shorter rows fewer (the rest write empty partials)
     case = decode_case(spec, CPU, lens, sentinel)
     out = case.run(get("triton"), spec)
@@ -136,7 +136,7 @@ def test_decode_rows_take_splits_by_length_and_empty_partials_are_never_read(mon
         t = real_empty(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (4, 2**30, 32))  # chunk: 32 tokens
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (4, 2**30, 32))  # chunk: 32 tokens
     case = decode_case(_spec(page_size=16), CPU, DECODE_LENS, "nan_page")
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", nan_empty)
@@ -158,6 +158,39 @@ def test_decode_split_plan_fills_the_gpu_and_follows_the_rows():
     assert tb.decode_splits(4, 8, 200, 800, 32, None) == (2, 2**30, 128)
 
 
+def test_a_plan_on_uniform_rows_keeps_split_room_for_a_ragged_replay():
+    """A CUDA graph is planned on rows of one length (an engine's dummy lengths, or the page table's bound during
+    capture) and replayed on ragged ones. Planned for uniform rows only, 34 rows over 8 KV heads got one split, so a
+    replay's long row ran alone in one program per head: Triton 3.0x behind FA3 on a ragged 34-row graph replay
+    (H100, held-out seed 7777's timing). A uniform plan now keeps room for a long row's splits, bounded by the
+    programs a replay may launch; a plan on ragged lengths it has read keeps its exact count."""
+    assert tb.decode_splits(34, 8, 1, 34, 64, 132)[0] == 1
+    assert tb.decode_splits(34, 8, 1, 34, 64, 132, ragged_room=True)[0] == 8  # 8 x the one uniform rows use
+    assert tb.decode_splits(16, 8, 1, 16, 64, 132, ragged_room=True)[0] == 24  # 8 x 3
+    assert tb.decode_splits(2, 8, 1, 2, 64, 132, ragged_room=True)[0] == 64  # at most 64
+    assert tb.decode_splits(128, 8, 1, 128, 64, 132, ragged_room=True)[0] == 6  # at most 16 x 396 programs
+    assert tb.decode_splits(512, 8, 1, 512, 64, 132, ragged_room=True)[0] == 1
+    assert tb.decode_splits(1, 8, 1, 1, 64, 132, ragged_room=True)[0] == 50  # one row is never ragged
+
+
+@pytest.mark.parametrize("lens,room", [([1] * 6, True), ([300] * 6, True), ([0, 1, 1, 1, 1, 1], True),
+                                       ([5, 300, 7, 9, 2, 40], False)])
+def test_decode_plans_ask_for_ragged_room_on_uniform_rows_only(monkeypatch, lens, room):
+    """plan_decode asks decode_splits for ragged room when every row it reads is as long, padding rows of 0 aside (a
+    capture's dummy rows), and during capture (no read); a ragged batch it has read gets its exact count."""
+    from tests.fixtures.host_reads import planning_in_capture
+
+    seen = []
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, ragged_room=False: seen.append(ragged_room) or (1, 2**30, 1))
+    spec = _spec()
+    table = torch.arange(6 * 20, dtype=torch.int32).reshape(6, 20)
+    get("triton").plan_decode(spec, table, torch.tensor(lens, dtype=torch.int32))
+    assert seen == [room]
+    with planning_in_capture(monkeypatch):
+        get("triton").plan_decode(spec, table, torch.tensor(lens, dtype=torch.int32))
+    assert seen == [room, True]
+
+
 def test_decode_splits_follow_the_lengths_of_each_run(monkeypatch):
     """A plan made at long contexts and run at short ones (a CUDA graph captured at the longest context, replayed
     as the batch grows) still spreads each row over several splits: the kernel sizes its chunks from the lengths
@@ -172,7 +205,7 @@ def test_decode_splits_follow_the_lengths_of_each_run(monkeypatch):
         return t
 
     spec = _spec(page_size=16)  # 2 KV heads
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (8, 16, 32))  # aim at 16 programs, chunks >= 32 tokens
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (8, 16, 32))  # aim at 16 programs, chunks >= 32 tokens
     long = decode_case(spec, CPU, [1024, 1024])
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", recording_empty)
@@ -194,7 +227,7 @@ def test_decode_splits_follow_the_lengths_of_each_run(monkeypatch):
 def test_decode_window_reads_only_the_window(monkeypatch):
     """Pages wholly before the window are NaN: a kernel that reads them (0 x NaN) outputs NaN."""
     spec = _spec(page_size=16, sliding_window=20)
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (2, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (2, 2**30, 1))
     case = decode_case(spec, CPU, [130, 64], "nan_page")
     page_table = case.plan_args[0]
     q, k_cache, v_cache = case.inputs
@@ -327,7 +360,7 @@ def test_decode_takes_q_in_flash_layout(splits, monkeypatch):
     """q as FlashAttention's [batch, 1, heads, dim] (decode_takes_b1hd): the same numbers as [batch, heads, dim],
     out in q's layout, on the single and split (reduce kernel) paths; sinks and a window on so every store runs.
     Fails when the kernels index heads with stride(1) (that is the unit axis of a [B, 1, H, D] tensor)."""
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (splits, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (splits, 2**30, 1))
     spec = _spec(page_size=16, sliding_window=40, sinks=True)
     case = decode_case(spec, CPU, DECODE_LENS)
     assert tb.BACKEND.decode_takes_b1hd is True
@@ -348,7 +381,7 @@ def test_decode_split_plan_merges_on_every_run(merge, monkeypatch):
     programs one after another, so a merge by a program that is not the last (before the others wrote) is caught
     only on the GPU (tests/test_gpu.py::test_triton_split_decode_merges_under_concurrency)."""
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", merge)
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (3, 2**30, 1))
     real_zeros, real_empty_like, counts = torch.zeros, torch.empty_like, []
 
     def recording_zeros(*args, **kwargs):
@@ -388,7 +421,7 @@ def test_decode_run_captured_into_a_graph_takes_the_reduce_kernel(monkeypatch):
     launches = []
     _counting_reduce(monkeypatch, launches)
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (3, 2**30, 1))
     spec = _spec(page_size=16)
     case = decode_case(spec, CPU, DECODE_LENS)
     run = get("triton").plan_decode(spec, *case.plan_args)
@@ -431,7 +464,7 @@ def test_decode_plan_made_during_capture_never_merges_in_the_kernel(monkeypatch)
 
     monkeypatch.setattr(torch, "zeros", zeros)
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (3, 2**30, 1))
     spec = _spec(page_size=16)
     case = decode_case(spec, CPU, DECODE_LENS)
     monkeypatch.setattr(support, "capturing", lambda t: True)
@@ -454,7 +487,7 @@ def test_decode_merge_survives_arrival_counts_left_by_overlapping_runs(monkeypat
     monkeypatch.setattr(torch, "zeros", lambda *a, **kw: (counts.append(real_zeros(*a, **kw)) or counts[-1])
                         if kw.get("dtype") == torch.int32 else real_zeros(*a, **kw))
     monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (3, 2**30, 1))
     spec = _spec(page_size=16)
     case = decode_case(spec, CPU, DECODE_LENS)
     run = get("triton").plan_decode(spec, *case.plan_args)
@@ -479,7 +512,7 @@ def test_decode_merge_tile_past_the_limit_takes_the_reduce_kernel(monkeypatch):
     case = decode_case(spec, CPU, [40, 3])
     for splits, merges in ((64, False), (33, False), (32, True)):
         counts.clear()
-        monkeypatch.setattr(tb, "decode_splits", lambda *a, n=splits: (n, 2**30, 1))
+        monkeypatch.setattr(tb, "decode_splits", lambda *a, n=splits, **k: (n, 2**30, 1))
         get("triton").plan_decode(spec, *case.plan_args)
         assert (torch.int32 in counts) is merges, splits
 
@@ -505,7 +538,7 @@ def test_strided_metadata_and_sinks_are_read_right(monkeypatch):
     lengths tensor, every other column of a wider page table, every other element of a sinks buffer, cu_seqlens
     from a [batch + 1, 2] tensor): the kernels index them with stride 1, so the plans must make them contiguous.
     Before the fix the decode read wrong lengths (wrong numbers or an out-of-bounds read)."""
-    monkeypatch.setattr(tb, "decode_splits", lambda *a: (3, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (3, 2**30, 1))
     spec = _spec(page_size=16, sinks=True)
     case = decode_case(spec, CPU, DECODE_LENS)
     table, lens = case.plan_args

@@ -65,6 +65,7 @@ def decode_config(head_dim: int) -> TileConfig:
 
 
 SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
+RAGGED_ROOM, ROOM_PROGRAMS = 8, 16  # decode_splits' room for a ragged replay of a plan made on uniform rows
 # An eager run of a split plan merges in the decode kernel (the last program of each row and KV head to arrive)
 # instead of a second reduce kernel: one launch instead of two, which saves about a third of an eager call at
 # host-bound shapes; under CUDA graphs, where launches cost nothing extra, the in-kernel merge is slower (the last
@@ -80,7 +81,7 @@ MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded
 
 
 def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
-                  sms: int | None) -> tuple[int, int, int]:
+                  sms: int | None, *, ragged_room: bool = False) -> tuple[int, int, int]:
     """(num_splits, target, min_chunk) of a decode plan: the grid's split axis, the programs the kernel aims at, and
     the fewest tokens a split reads (kernels.paged_kernel computes each row's splits from these and the lengths
     it reads at run time).
@@ -93,6 +94,10 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block
     the best split count, while more leave a partly filled last round of programs; one split count for every row
     (the longest's) makes a ragged batch of one long and several short rows run far slower than splits per row (see
     the results file).
+
+    ``ragged_room``: the plan saw rows of one length (a CUDA graph's dummy lengths, or none during capture) and may be
+    replayed on ragged ones: up to RAGGED_ROOM times the uniform count, so that a replay's long row gets splits, at
+    most ROOM_PROGRAMS x target programs in all (the extra programs of a uniform replay exit at once).
     """
     if sms is None:  # the interpreter (no GPU): still exercise the split path on long contexts
         min_chunk = 4 * block_n
@@ -101,7 +106,10 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block
     chunk = max(min_chunk, total_len * kv_heads // target)
     uniform = round(target / (batch * kv_heads))  # what rows of equal length use at any length: a plan made at a
     # short context (a CUDA graph captured on small dummy lengths) keeps room for the splits its replays need
-    return max(1, min(max(round(max_len / chunk), uniform), 64)), target, min_chunk
+    splits = max(round(max_len / chunk), uniform)
+    if ragged_room and batch > 1:
+        splits = max(splits, min(RAGGED_ROOM * max(uniform, 1), ROOM_PROGRAMS * target // (batch * kv_heads)))
+    return max(1, min(splits, 64)), target, min_chunk
 
 
 def _scale_args(spec: AttentionSpec) -> tuple[float, float]:
@@ -194,26 +202,28 @@ class TritonBackend:
         cfg = decode_config(spec.head_dim)
         batch = seq_lens.numel()
         if support.capturing(seq_lens):
-            # no host read during CUDA-graph capture: the longest row the page table holds, every row that long. The
-            # grid has the splits rows of equal length need at any length; a ragged replay (one long row among short
-            # ones) gets no more splits per row than that, which is slower than an eager plan would make it (up to
-            # 2.2x): sizing for one long row would keep 64 splits of partial outputs per captured call
+            # no host read during CUDA-graph capture: the longest row the page table holds, every row that long, with
+            # room for a ragged replay's long rows (decode_splits)
             max_len = page_table.shape[1] * spec.page_size
             if spec.sliding_window is not None:
                 max_len = min(max_len, spec.sliding_window)
-            total_len = batch * max_len
+            total_len, room = batch * max_len, True
         else:
-            # one read: the split count, and a refusal of lengths the kernel cannot serve (support.check_lengths)
+            # one read: the split count, and a refusal of lengths the kernel cannot serve (support.check_lengths).
+            # Rows of one length (padding rows of 0 aside) are what engines plan a CUDA graph on: room for a ragged
+            # replay, as during capture
             spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)
-            max_len, total_len = 1, 1
+            max_len, total_len, room = 1, 1, False
             if batch:
-                low, high, max_len, total_len = torch.stack((seq_lens.min().long(), seq_lens.max().long(),
-                                                             spans.max().long(), spans.sum().long())).tolist()
+                low, high, max_len, total_len, rows = torch.stack((
+                    seq_lens.min().long(), seq_lens.max().long(), spans.max().long(), spans.sum().long(),
+                    (spans > 0).sum())).tolist()
                 support.check_lengths("triton decode", seq_lens, low, high, page_table.shape[1] * spec.page_size)
+                room = total_len == max_len * rows
         sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
                if seq_lens.device.type == "cuda" else None)
         splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),
-                                                  cfg.block_n, sms)
+                                                  cfg.block_n, sms, ragged_room=room)
         block_d = tile_d(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
