@@ -240,9 +240,9 @@ def test_split_plan_follows_the_batchs_own_lengths(monkeypatch):
 
     real, seen = tb.decode_splits, []
 
-    def spy(programs, kv_heads, longest, total, block_n, sms):
+    def spy(programs, kv_heads, longest, total, block_n, sms, **kw):
         seen.append((programs, longest, total))
-        return real(programs, kv_heads, longest, total, block_n, 132 if sms is None else sms)
+        return real(programs, kv_heads, longest, total, block_n, 132 if sms is None else sms, **kw)
 
     monkeypatch.setattr(tb, "decode_splits", spy)
     spec = _spec(page=16)  # group 4: two queries are one short tile per row
@@ -257,6 +257,27 @@ def test_split_plan_follows_the_batchs_own_lengths(monkeypatch):
         case.plan(get("triton"))
     span = min(case.max_seq_len, case.page_table.shape[1] * spec.page_size)
     assert seen[-1] == (40, span, 40 * span), seen
+
+
+@pytest.mark.parametrize("qlens,klens,room", [([2] * 5, [2] * 5, True), ([2] * 5, [40, 2, 2, 2, 2], False),
+                                              ([2, 2, 0, 2, 2], [2, 2, 0, 2, 2], True),
+                                              ([40] * 5, [40] * 5, False)])
+def test_extend_plans_keep_ragged_room_for_short_tiles_on_uniform_rows(monkeypatch, qlens, klens, room):
+    """Multi-token decode is captured on rows of one length (each row its query count) and replayed ragged: its short
+    tiles keep split room as decode's do (decode_splits). Long tiles do not: their partial outputs are per query
+    token (8 x 512 queries with room would hold hundreds of MB). A ragged batch the plan has read keeps its count."""
+    from tests.fixtures.host_reads import planning_in_capture
+
+    seen = []
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, ragged_room=False: seen.append(ragged_room) or (1, 2**30, 1))
+    spec = _spec()
+    cu, table, _ = _extend_batch(klens, qlens)
+    lens = torch.tensor(klens, dtype=torch.int32)
+    get("triton").plan_extend(spec, cu, table, lens, max(qlens), max(klens))
+    with planning_in_capture(monkeypatch):
+        get("triton").plan_extend(spec, cu, table, lens, max(qlens), max(klens))
+    long = max(qlens) == 40
+    assert seen == [room, not long]
 
 
 def _extend_batch(klens, qlens, page_size=16):

@@ -168,7 +168,7 @@ def test_a_plan_on_uniform_rows_keeps_split_room_for_a_ragged_replay():
     assert tb.decode_splits(34, 8, 1, 34, 64, 132, ragged_room=True)[0] == 8  # 8 x the one uniform rows use
     assert tb.decode_splits(16, 8, 1, 16, 64, 132, ragged_room=True)[0] == 24  # 8 x 3
     assert tb.decode_splits(2, 8, 1, 2, 64, 132, ragged_room=True)[0] == 64  # at most 64
-    assert tb.decode_splits(128, 8, 1, 128, 64, 132, ragged_room=True)[0] == 6  # at most 16 x 396 programs
+    assert tb.decode_splits(128, 8, 1, 128, 64, 132, ragged_room=True)[0] == 3  # at most 8 x 396 programs
     assert tb.decode_splits(512, 8, 1, 512, 64, 132, ragged_room=True)[0] == 1
     assert tb.decode_splits(1, 8, 1, 1, 64, 132, ragged_room=True)[0] == 50  # one row is never ragged
 

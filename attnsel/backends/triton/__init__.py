@@ -65,7 +65,7 @@ def decode_config(head_dim: int) -> TileConfig:
 
 
 SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
-RAGGED_ROOM, ROOM_PROGRAMS = 8, 16  # decode_splits' room for a ragged replay of a uniform plan (see the results file)
+RAGGED_ROOM, ROOM_PROGRAMS = 8, 8  # decode_splits' room for a ragged replay of a uniform plan (see the results file)
 # An eager run of a split plan merges in the decode kernel (the last program of each row and KV head to arrive)
 # instead of a second reduce kernel: one launch instead of two, which saves about a third of an eager call at
 # host-bound shapes; under CUDA graphs, where launches cost nothing extra, the in-kernel merge is slower (the last
