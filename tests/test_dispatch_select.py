@@ -216,6 +216,24 @@ def test_a_candidate_wrong_at_a_timed_shape_serves_no_shape_of_the_phase(monkeyp
 
 
 @pytest.mark.usefixtures("thread_or_process_worker")
+def test_out_of_memory_in_the_timed_output_check_is_no_wrong_output(monkeypatch, tmp_path):
+    """oom_at_check_4 computes right answers and runs out of memory when the output check after the timed runs of a
+    batch of 4 holds a second output: the machine's memory, not a verdict. The check's raise was recorded as "wrong
+    output after the timed eager runs: raised OutOfMemoryError", so the candidate was rejected for every decode
+    shape as if it computed garbage. It only loses the buckets where it ran out of memory."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:OOM_AT_CHECK_4")
+    monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
+    spec = AttentionSpec(4, 2, 64, "fp32", page_size=16)
+    sel = select(spec, budget_s=4, prefill="torch", decode_priority=["oom_at_check_4", "torch"])
+    cand = next(c for c in sel.candidates["decode"] if c.name == "oom_at_check_4")
+    assert cand.status in ("valid", "selected"), cand
+    assert "wrong output" not in cand.reason and "OutOfMemoryError" in cand.reason, cand
+    table = sel.dispatch["decode"]
+    assert all("oom_at_check_4" not in b.times_us for b in table.buckets if b.key[0] == 4)
+    assert any("oom_at_check_4" in b.times_us for b in table.buckets)
+
+
+@pytest.mark.usefixtures("thread_or_process_worker")
 def test_a_phase_whose_every_candidate_computed_garbage_is_refused(monkeypatch, tmp_path):
     """Both decode candidates compute garbage on batches of 4: with no table the selection fell back to the first
     valid candidate, which served that garbage. They are rejected now, so the selection fails and names why."""

@@ -278,11 +278,15 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
     references: dict = {}  # input set index -> spot.SpotReference, shared by the candidates
 
     def wrong(name: str) -> bool:  # a fast wrong answer must not win: check what the timed plan computed
-        reason = _timed_output_reason(prepared[name], spec, phase, plan_args, sets, device, references)
-        if reason:
-            errors[name] = f"{WRONG_OUTPUT} {mode} runs: {reason}"
+        try:
+            reason = _timed_output_reason(prepared[name], spec, phase, plan_args, sets, device, references)
+            error = f"{WRONG_OUTPUT} {mode} runs: {reason}" if reason else None
+        except Exception as exc:  # the check's own run raised (out of memory, say): no time here, no wrong output
+            error = f"raised {type(exc).__name__} in the output check after the timed {mode} runs: {_first_line(exc)}"
+        if error:
+            errors[name] = error
             del prepared[name]
-        return bool(reason)
+        return bool(error)
 
     race, racing = Race(RACE_AFTER, RACE_OUT), mode == "eager" and reps > RACE_AFTER
     for r in itertools.count():  # until every candidate still timed and not raced out has its reps samples
@@ -325,13 +329,10 @@ def time_bucket(backends_: dict, spec: AttentionSpec, phase: str, shape, device:
 
 def _timed_output_reason(item: _Timed, spec: AttentionSpec, phase: str, plan_args: tuple, sets: list[tuple],
                          device: torch.device, references: dict) -> str | None:
-    """Why the candidate's timed plan computed a wrong output, or None. A reference that cannot be computed (out of
-    memory, say) skips the check with a warning: the checker's failure is not the candidate's."""
-    try:
-        outputs = item.outputs()
-        _sync(device)
-    except Exception as exc:
-        return f"raised {type(exc).__name__}: {_first_line(exc)}"
+    """Why the candidate's timed plan computed a wrong output, or None (raises what its check's run raises). A
+    reference that cannot be computed (out of memory, say) skips the check: the checker's failure is not theirs."""
+    outputs = item.outputs()
+    _sync(device)
     for index, out in outputs:
         if index not in references:
             try:
