@@ -269,7 +269,7 @@ def test_extend_plans_keep_ragged_room_for_short_tiles_on_uniform_rows(monkeypat
     from tests.fixtures.host_reads import planning_in_capture
 
     seen = []
-    monkeypatch.setattr(tb, "decode_splits", lambda *a, ragged_room=False: seen.append(ragged_room) or (1, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, ragged_room=False, **k: seen.append(ragged_room) or (1, 2**30, 1))
     spec = _spec()
     cu, table, _ = _extend_batch(klens, qlens)
     lens = torch.tensor(klens, dtype=torch.int32)

@@ -181,7 +181,7 @@ def test_decode_plans_ask_for_ragged_room_on_uniform_rows_only(monkeypatch, lens
     from tests.fixtures.host_reads import planning_in_capture
 
     seen = []
-    monkeypatch.setattr(tb, "decode_splits", lambda *a, ragged_room=False: seen.append(ragged_room) or (1, 2**30, 1))
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, ragged_room=False, **k: seen.append(ragged_room) or (1, 2**30, 1))
     spec = _spec()
     table = torch.arange(6 * 20, dtype=torch.int32).reshape(6, 20)
     get("triton").plan_decode(spec, table, torch.tensor(lens, dtype=torch.int32))

@@ -144,3 +144,24 @@ def test_multi_token_decode_planned_on_uniform_rows_replayed_ragged(features, me
     out = run(*inputs, **kwargs)[:int(cu[-1])]
     assert torch.isfinite(out.float()).all()
     assert (out.float() - ref).abs().max().item() <= TOL["fp16"] * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("batch", [64, 256])
+def test_split_room_holds_at_most_room_bytes_of_partials(monkeypatch, batch):
+    """The room's partial outputs stay a captured plan's for as long as its graph: multi-token decode of 8 queries
+    per row at 8 query heads over one KV head (head_dim 128) kept about 97 MB per plan at batch 64-256 (an engine
+    holds one plan per captured batch size). The room now adds at most ROOM_BYTES; a plan's own need is unchanged."""
+    seen, sizes = [], []
+    _gpu_splits(monkeypatch, seen)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: (sizes.append(torch.Size(a[0] if len(a) == 1 else a).numel())
+                                                          if kw.get("dtype") == torch.float32 else None)
+                        or real_empty(*a, **kw))
+    spec = AttentionSpec(8, 1, 128, "bf16", page_size=16)
+    queries = 8
+    cu = torch.arange(0, (batch + 1) * queries, queries, dtype=torch.int32)
+    table = torch.arange(batch * 4, dtype=torch.int32).reshape(batch, 4)
+    lens = torch.full((batch,), 40, dtype=torch.int32)  # rows of one length: the room applies
+    run = get("triton").plan_extend(spec, cu, table, lens, queries, 40)
+    partial_bytes = 4 * max(sizes, default=0)
+    assert run.splits > 1 and partial_bytes <= tb.ROOM_BYTES, (run.splits, partial_bytes)

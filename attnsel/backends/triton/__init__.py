@@ -65,6 +65,7 @@ def decode_config(head_dim: int) -> TileConfig:
 
 
 SPLIT_PROGRAMS_PER_SM = 3  # the split plan aims at this many decode programs per SM
+ROOM_BYTES = 16 << 20  # the most partial outputs the room may hold per plan
 RAGGED_ROOM, ROOM_PROGRAMS = 8, 8  # decode_splits' room for a ragged replay of a uniform plan (see the results file)
 # An eager run of a split plan merges in the decode kernel (the last program of each row and KV head to arrive)
 # instead of a second reduce kernel: one launch instead of two, which saves about a third of an eager call at
@@ -81,7 +82,7 @@ MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded
 
 
 def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
-                  sms: int | None, *, ragged_room: bool = False) -> tuple[int, int, int]:
+                  sms: int | None, *, ragged_room: bool = False, split_bytes: int = 0) -> tuple[int, int, int]:
     """(num_splits, target, min_chunk) of a decode plan: the grid's split axis, the programs the kernel aims at, and
     the fewest tokens a split reads (kernels.paged_kernel computes each row's splits from these and the lengths
     it reads at run time).
@@ -97,7 +98,9 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block
 
     ``ragged_room``: the plan saw rows of one length (a CUDA graph's dummy lengths, or none during capture) and may be
     replayed on ragged ones: up to RAGGED_ROOM times the uniform count, so that a replay's long row gets splits, at
-    most ROOM_PROGRAMS x target programs in all (the extra programs of a uniform replay exit at once).
+    most ROOM_PROGRAMS x target programs in all (the extra programs of a uniform replay exit at once) and at most
+    ROOM_BYTES of partial outputs (``split_bytes``: the plan's partial outputs per split; a captured plan keeps them
+    as long as its graph).
     """
     if sms is None:  # the interpreter (no GPU): still exercise the split path on long contexts
         min_chunk = 4 * block_n
@@ -108,7 +111,8 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block
     # short context (a CUDA graph captured on small dummy lengths) keeps room for the splits its replays need
     splits = max(round(max_len / chunk), uniform)
     if ragged_room and batch > 1:
-        splits = max(splits, min(RAGGED_ROOM * max(uniform, 1), ROOM_PROGRAMS * target // (batch * kv_heads)))
+        room = min(RAGGED_ROOM * max(uniform, 1), ROOM_PROGRAMS * target // (batch * kv_heads))
+        splits = max(splits, min(room, ROOM_BYTES // split_bytes) if split_bytes else room)
     return max(1, min(splits, 64)), target, min_chunk
 
 
@@ -223,7 +227,8 @@ class TritonBackend:
         sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
                if seq_lens.device.type == "cuda" else None)
         splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),
-                                                  cfg.block_n, sms, ragged_room=room)
+                                                  cfg.block_n, sms, ragged_room=room,
+                                                  split_bytes=batch * spec.num_q_heads * tile_d(spec.head_dim) * 4)
         block_d = tile_d(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
