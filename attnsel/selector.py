@@ -211,8 +211,8 @@ class _Run:
             self.jobs.errors[phase] = ("no candidate has a time on every shape of any bucket; first failure: "
                                        + next(iter(failed.values()))[1] if failed
                                        else "no candidate was timed in any bucket")
-            for name in garbage:  # rejected, with the reason (the others: not timed, note_untimed)
-                _annotate(self.found, phase, [name], None, {}, None, garbage)
+            # those that computed garbage are rejected with the reason (the others: not timed, note_untimed)
+            _annotate(self.found, phase, list(garbage), None, {}, None, garbage)
             return None
         _annotate(self.found, phase, valid, table, bucket_errors(done), done.get("pruned_near") or {}, garbage)
         if phase in to_time and not done.get("transient") and time_again(self.timings[phase], valid, share) is None:

@@ -87,15 +87,19 @@ def live_int32(t: torch.Tensor, *, rows: bool = False) -> tuple[torch.Tensor, Ca
     return copy, lambda: copy.copy_(t)
 
 
-def check_lengths(who: str, seq_lens: torch.Tensor, low: int, high: int, reach: int) -> None:
-    """For a plan that has read the batch's shortest (``low``) and longest (``high``) lengths on the host: ValueError
-    naming the first row whose length is negative or past the page table's ``reach`` in tokens (a kernel would read
-    the next row's page ids there)."""
-    if low >= 0 and high <= reach:
-        return
-    row = int((seq_lens < 0).logical_or(seq_lens > reach).nonzero()[0, 0])
-    raise ValueError(f"{who}: seq_lens[{row}] is {int(seq_lens[row])}; allowed: 0 (a padding row) up to the page "
-                     f"table's reach, {reach} tokens (page_table.shape[1] x page_size)")
+def read_lengths(who: str, seq_lens: torch.Tensor, window: int | None, reach: int) -> tuple[int, int, bool]:
+    """An eager plan's one host read of a non-empty batch's lengths: (the longest span, the spans summed, whether
+    every row with keys is as long: rows of one length, padding rows of 0 aside, are what engines plan a CUDA graph
+    on), a span being a length within ``window``. ValueError naming the first row whose length is negative or past
+    the page table's ``reach`` in tokens (a kernel would read the next row's page ids there)."""
+    spans = seq_lens if window is None else seq_lens.clamp(max=window)
+    low, high, most, summed, rows = torch.stack((seq_lens.min().long(), seq_lens.max().long(), spans.max().long(),
+                                                 spans.sum().long(), (spans > 0).sum())).tolist()
+    if low < 0 or high > reach:
+        row = int((seq_lens < 0).logical_or(seq_lens > reach).nonzero()[0, 0])
+        raise ValueError(f"{who}: seq_lens[{row}] is {int(seq_lens[row])}; allowed: 0 (a padding row) up to the "
+                         f"page table's reach, {reach} tokens (page_table.shape[1] x page_size)")
+    return most, summed, summed == most * rows
 
 
 def refresh_captured(refreshes, t: torch.Tensor) -> None:

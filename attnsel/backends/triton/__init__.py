@@ -213,17 +213,12 @@ class TritonBackend:
                 max_len = min(max_len, spec.sliding_window)
             total_len, room = batch * max_len, True
         else:
-            # one read: the split count, and a refusal of lengths the kernel cannot serve (support.check_lengths).
-            # Rows of one length (padding rows of 0 aside) are what engines plan a CUDA graph on: room for a ragged
-            # replay, as during capture
-            spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)
+            # one read (support.read_lengths): the split count, a refusal of lengths the kernel cannot serve, and
+            # room for a ragged replay where the rows are of one length, as during capture
             max_len, total_len, room = 1, 1, False
             if batch:
-                low, high, max_len, total_len, rows = torch.stack((
-                    seq_lens.min().long(), seq_lens.max().long(), spans.max().long(), spans.sum().long(),
-                    (spans > 0).sum())).tolist()
-                support.check_lengths("triton decode", seq_lens, low, high, page_table.shape[1] * spec.page_size)
-                room = total_len == max_len * rows
+                max_len, total_len, room = support.read_lengths("triton decode", seq_lens, spec.sliding_window,
+                                                                page_table.shape[1] * spec.page_size)
         sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
                if seq_lens.device.type == "cuda" else None)
         splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),

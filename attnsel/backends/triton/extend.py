@@ -97,16 +97,12 @@ def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: tor
         # batch of many short rows and a few long ones got one split per tile, and its long rows ran alone in one
         # program each (2.2x behind FA3's split kernel on such a batch, see the results file). The total is what
         # the kernel computes at run time: every row's keys (within the window) once per query tile.
-        # The same read refuses lengths the kernel cannot serve: a negative one, or one past the page table's reach
-        # (its keys' page ids would come from the next row's entries).
-        spans = seq_lens if spec.sliding_window is None else seq_lens.clamp(max=spec.sliding_window)
-        low, high, most, summed, rows = torch.stack((seq_lens.min().long(), seq_lens.max().long(), spans.max().long(),
-                                                     spans.sum().long(), (spans > 0).sum())).tolist()
-        support.check_lengths("triton extend", seq_lens, low, high, page_table.shape[1] * spec.page_size)
+        # The same read (support.read_lengths) refuses lengths the kernel cannot serve, and tells rows of one
+        # length, what engines capture graphs on: short tiles (multi-token decode) then keep split room for a
+        # ragged replay as decode does; long tiles do not (partials per query token).
+        most, summed, room = support.read_lengths("triton extend", seq_lens, spec.sliding_window,
+                                                  page_table.shape[1] * spec.page_size)
         longest, total = max(1, min(span, most)), max(1, q_tiles * summed)
-        # rows of one length (padding rows aside), what engines capture graphs on: short tiles (multi-token decode)
-        # keep split room for a ragged replay as decode does; long tiles do not (partials per query token)
-        room = summed == most * rows
     splits, target, min_chunk = decode_splits(
         max(programs, 1), spec.num_kv_heads, longest, total, tiles.block_n, sms, ragged_room=room and not tiles.long,
         split_bytes=programs * tiles.block_q * spec.num_q_heads * tile_d(spec.head_dim) * 4)
