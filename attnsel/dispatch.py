@@ -12,9 +12,9 @@ import numbers
 from .errors import InvalidArgument
 from .validate import timing
 from .validate.extend_grid import EXTEND_AXES
-from .validate.grid import DECODE_SKEW
+from .validate.grid import DECODE_SKEW, ragged_decode_lens
 
-LOOKUP_RULES = ("interpolation", "ragged", "skew")  # DispatchTable.without's names of the lookup's rules
+LOOKUP_RULES = ("interpolation", "ragged", "skew", "blend")  # DispatchTable.without's names of the lookup's rules
 TIE = 0.01  # measured within 1% of the fastest: priority order decides (a wider band lets a backend 2% slower win a
 # bucket by priority, and serve the shapes around it where it is slower still)
 
@@ -116,6 +116,7 @@ class DispatchTable:
     # axes, for batches whose longest row is at least timing.RAGGED_SKEW times their mean context
     interpolate: bool = True  # False: the nearest bucket serves every shape (a lookup option, not stored: ``without``)
     skew: bool = True  # False: a skewed batch goes by its means alone (a lookup option: ``without("skew")``)
+    blend: bool = True  # False: a batch the ragged buckets serve goes by them alone (``without("blend")``)
 
     def __post_init__(self) -> None:
         if not self.buckets:
@@ -154,6 +155,11 @@ class DispatchTable:
         named = {n for b in self.buckets for n in (*b.times_us, *b.pruned_near)}
         order = list(dict.fromkeys([b.backend for b in self.buckets] + sorted(named)))
         object.__setattr__(self, "_order", order)
+        skews = {}  # (log batch, log skew) of the timed ragged batches (grid.ragged_decode_lens), for _blended
+        for b in (self.ragged.buckets if self.ragged is not None else ()):
+            lens = ragged_decode_lens(b.key[0], b.key[-1])
+            skews.setdefault(b.key[0], math.log(max(max(lens) * len(lens) / sum(lens), 1.01)))
+        object.__setattr__(self, "_ragged_skews", [(math.log(n), skews[n]) for n in sorted(skews)])
 
     def _check_key(self, key: tuple[int, ...]) -> None:
         if len(key) != len(self.axes):  # zip would drop the extra values or the missing axes silently
@@ -208,7 +214,7 @@ class DispatchTable:
             raise InvalidArgument("longest: expected None or a non-negative Python int (the batch's longest context, "
                                   f"exact), got {longest!r}")
         if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
-            return self.ragged.backend_for(key)
+            return self._blended(key, longest) if self.blend else self.ragged.backend_for(key)
         if self.skew and longest is not None and self.skewed(key, longest):
             hit = self._skewed(key, longest)
             if hit:
@@ -284,18 +290,42 @@ class DispatchTable:
             self._picks[memo] = hit
         return hit
 
+    def _blended(self, key: tuple[int, ...], longest: int) -> str:
+        """A batch the ragged buckets serve. They were timed at one skew (longest row over mean) per batch size, 3x
+        at 8 rows to 13x at 512, the uniform ones at none, and the winner moves between (results file): each
+        candidate's slowdown is interpolated in log skew, log(skew) / log(timed skew) of it the ragged table's."""
+        xs, logs = zip(*self._ragged_skews)  # the timed skew at this batch size: interpolated in log batch
+        x = min(max(math.log(key[0]), xs[0]), xs[-1])
+        i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+        timed = logs[i] if xs[i] == x else logs[i - 1] + (logs[i] - logs[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        w = round(32 * min(1.0, math.log(longest / max(key[1], 1)) / timed)) / 32
+        sides = (self._sides(key), self.ragged._sides(key))
+        memo = ("blend", w, *sides, self.bucket_for(key).key, self.ragged.bucket_for(key).key)
+        hit = self._picks.get(memo, _MISSING)
+        if hit is _MISSING:
+            even, skewed = self._times(key, sides[0]), self.ragged._times(key, sides[1])
+            names = set(even) & set(skewed)
+            cost = {n: (1 - w) * math.log(even[n] / min(even[m] for m in names))
+                    + w * math.log(skewed[n] / min(skewed[m] for m in names)) for n in names}
+            hit = min(cost, key=lambda n: (cost[n], self._order.index(n))) if cost else None
+            if len(self._picks) >= 4096:  # bounded memo
+                self._picks.clear()
+            self._picks[memo] = hit
+        return hit or self.ragged.backend_for(key)
+
     def without(self, *rules: str) -> "DispatchTable":
-        """This table (and its ragged sub-table) with lookup rules beyond the nearest timed bucket switched off, to
-        measure what each earns (scripts/replay_dispatch.py): "interpolation" (the nearest bucket serves every
-        shape), "skew" (no skewed-batch estimate: such a batch goes by its means unless the ragged sub-table serves
-        it) or "ragged" (neither the ragged sub-table nor the estimate: a skewed batch goes by its mean)."""
+        """This table (and its ragged sub-table) with lookup rules switched off, to measure what each earns
+        (scripts/replay_dispatch.py): "interpolation" (the nearest bucket serves every shape), "skew" (no skewed-batch
+        estimate), "blend" (the ragged sub-table alone serves the batches it covers) or "ragged" (no sub-table, no
+        estimate: a skewed batch goes by its mean)."""
         unknown = [r for r in rules if r not in LOOKUP_RULES]
         if unknown:
             raise ValueError(f"unknown lookup rule(s) {', '.join(map(repr, unknown))}; the rules that can be switched "
                              f"off: {', '.join(LOOKUP_RULES)}")
         ragged = None if "ragged" in rules or self.ragged is None else self.ragged.without(*rules)
         return dataclasses.replace(self, interpolate=self.interpolate and "interpolation" not in rules, ragged=ragged,
-                                   skew=self.skew and "ragged" not in rules and "skew" not in rules)
+                                   skew=self.skew and "ragged" not in rules and "skew" not in rules,
+                                   blend=self.blend and "blend" not in rules)
 
     def covers(self, key: tuple[int, ...], longest: int) -> bool:
         """Whether this (ragged) table serves a decode batch of ``key`` = (batch, mean context) whose longest row is

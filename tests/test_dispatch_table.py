@@ -279,3 +279,26 @@ def test_the_skew_estimate_can_be_switched_off_alone():
     assert table.without("skew").backend_for((2, 1200), longest=3432) == "whole"  # the sub-table still serves
     assert table.without("skew").ragged is not None
     assert table.without("ragged").ragged is None and not table.without("ragged").skew
+
+
+# 512 rows: on uniform batches "fi" leads, on the timed ragged batch (longest row 13x the mean) "fa3" does
+BLEND_UNIFORM = {(128, 512): {"fi": 100.0, "fa3": 112.0}, (512, 512): {"fi": 400.0, "fa3": 450.0}}
+BLEND_RAGGED = {(128, 512): {"fi": 130.0, "fa3": 122.0}, (512, 512): {"fi": 520.0, "fa3": 490.0}}
+
+
+def test_a_ragged_batch_between_the_timed_skews_blends_both_tables():
+    """A batch of 512 rows, mean 550, longest 2000 (3.6x the mean, as served batches clipped by their KV pool): the
+    ragged buckets serve it (longest >= RAGGED_SKEW x the mean), but they were timed at 13x. Its cost is the
+    slowdowns interpolated in log skew (about half each table's), which "fi" wins; at 12x the ragged one decides."""
+    from attnsel.validate.grid import ragged_decode_lens
+
+    table = build_table(measured(BLEND_UNIFORM, ragged=BLEND_RAGGED), ["fa3", "fi"])
+    lens = ragged_decode_lens(512, 550)
+    assert 12 < max(lens) / 550 < 14  # the timed skew at 512 rows
+    assert table.ragged.covers((512, 550), 2000)
+    assert table.backend_for((512, 550), longest=2000) == "fi"
+    assert table.backend_for((512, 550), longest=12 * 550) == "fa3"
+    assert table.backend_for((300, 550), longest=1400) == "fi"  # between the timed batch sizes
+    assert table.without("blend").backend_for((512, 550), longest=2000) == "fa3"  # the ragged buckets alone
+    again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.backend_for((512, 550), longest=2000) == "fi"
