@@ -155,11 +155,10 @@ class DispatchTable:
         named = {n for b in self.buckets for n in (*b.times_us, *b.pruned_near)}
         order = list(dict.fromkeys([b.backend for b in self.buckets] + sorted(named)))
         object.__setattr__(self, "_order", order)
-        skews = {}  # (log batch, log skew) of the timed ragged batches (grid.ragged_decode_lens), for _blended
-        for b in (self.ragged.buckets if self.ragged is not None else ()):
-            lens = ragged_decode_lens(b.key[0], b.key[-1])
-            skews.setdefault(b.key[0], math.log(max(max(lens) * len(lens) / sum(lens), 1.01)))
-        object.__setattr__(self, "_ragged_skews", [(math.log(n), skews[n]) for n in sorted(skews)])
+        means = {b.key[0]: b.key[-1] for b in reversed(self.ragged.buckets if self.ragged is not None else ())}
+        lens = {n: ragged_decode_lens(n, max(m, 1)) for n, m in sorted(means.items()) if n > 0}  # as timed (grid)
+        object.__setattr__(self, "_ragged_skews", [(math.log(n), math.log(max(max(x) * n / sum(x), 1.01)))
+                                                   for n, x in lens.items()])  # (log batch, log skew), for _blended
 
     def _check_key(self, key: tuple[int, ...]) -> None:
         if len(key) != len(self.axes):  # zip would drop the extra values or the missing axes silently
@@ -204,10 +203,10 @@ class DispatchTable:
         so that shapes a few tokens apart share one memoised answer. ``longest``: the batch's longest context (exact).
         Decode: for a batch of at least 2 rows whose longest row is at least timing.RAGGED_SKEW times the mean
         (``key[1]``), near a timed ragged bucket (``covers``), the ragged buckets decide (a ragged batch's speed is
-        not its mean's uniform batch's: module timing; no extrapolation of the ragged timings over the uniform
-        ones). A skewed batch otherwise (``skewed``: extend from timing.RAGGED_SKEW, eager decode outside the ragged
-        buckets from grid.DECODE_SKEW times the mean): ``_skewed``. InvalidArgument for a ``longest`` that is not
-        None or a host int >= 0 (a tensor would be read: a device sync)."""
+        not its mean's uniform batch's: module timing), blended with the uniform ones below their timed skew
+        (``_blended``). A skewed batch otherwise (``skewed``: extend from timing.RAGGED_SKEW, eager decode outside
+        the ragged buckets from grid.DECODE_SKEW times the mean): ``_skewed``. InvalidArgument for a ``longest``
+        that is not None or a host int >= 0 (a tensor would be read: a device sync)."""
         self._check_key(key)
         if longest is not None and (isinstance(longest, bool) or not isinstance(longest, numbers.Integral)
                                     or longest < 0):
@@ -298,7 +297,7 @@ class DispatchTable:
         x = min(max(math.log(key[0]), xs[0]), xs[-1])
         i = min(bisect.bisect_left(xs, x), len(xs) - 1)
         timed = logs[i] if xs[i] == x else logs[i - 1] + (logs[i] - logs[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        w = round(32 * min(1.0, math.log(longest / max(key[1], 1)) / timed)) / 32
+        w = round(32 * min(1.0, (math.log(longest) - math.log(max(key[1], 1))) / timed)) / 32
         sides = (self._sides(key), self.ragged._sides(key))
         memo = ("blend", w, *sides, self.bucket_for(key).key, self.ragged.bucket_for(key).key)
         hit = self._picks.get(memo, _MISSING)
