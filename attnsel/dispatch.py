@@ -300,12 +300,11 @@ class DispatchTable:
         w = round(32 * min(1.0, (math.log(longest) - math.log(max(key[1], 1))) / timed)) / 32
         sides = (self._sides(key), self.ragged._sides(key))
         memo = ("blend", w, *sides, self.bucket_for(key).key, self.ragged.bucket_for(key).key)
-        hit = self._picks.get(memo, _MISSING)
-        if hit is _MISSING:
+        hit = self._picks.get(memo, _MISSING)  # slowdowns in logs of times: each side's fastest drops out
+        if hit is _MISSING:  # a candidate the finer uniform grid did not time (pruned): its least coarse ratio there
             even, skewed = self._times(key, sides[0]), self.ragged._times(key, sides[1])
-            names = set(even) & set(skewed)
-            cost = {n: (1 - w) * math.log(even[n] / min(even[m] for m in names))
-                    + w * math.log(skewed[n] / min(skewed[m] for m in names)) for n in names}
+            even = {**{n: r * min(even.values()) for n, r in self.pruned if even and n in self._order}, **even}
+            cost = {n: (1 - w) * math.log(even[n]) + w * math.log(skewed[n]) for n in set(even) & set(skewed)}
             hit = min(cost, key=lambda n: (cost[n], self._order.index(n))) if cost else None
             if len(self._picks) >= 4096:  # bounded memo
                 self._picks.clear()

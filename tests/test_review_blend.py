@@ -1,6 +1,7 @@
 """Review of the skew blend (DispatchTable._blended, commit 5d772c8): a decode batch the ragged buckets serve takes
 each candidate's slowdown interpolated between the uniform and ragged tables by log(skew) / log(timed skew). Pure
 Python on hand-made tables (as tests/test_dispatch_table.py)."""
+import json
 import math
 
 import pytest
@@ -46,6 +47,33 @@ def test_the_blend_weight_matches_an_independent_computation(flip):
             checked += 1
             assert table.backend_for((batch, mean), longest=longest) == ("fi" if w < flip else "fa3"), (batch, skew, w)
     assert checked > 60
+
+
+def pruned_tables():
+    """"p" was pruned after the coarse uniform grid (1.5x behind everywhere there): the finer uniform buckets never
+    timed it (timing.measure), the ragged ones did, and there it is 3x ahead."""
+    coarse = {(64, 256): {"p": 150.0, "fi": 100.0, "fa3": 105.0}, (64, 4096): {"p": 600.0, "fi": 400.0, "fa3": 390.0},
+              (1024, 256): {"p": 900.0, "fi": 600.0, "fa3": 610.0},
+              (1024, 4096): {"p": 9000.0, "fi": 6000.0, "fa3": 5900.0}}
+    finer = {(n, c): {"fi": 100.0 * n / 64, "fa3": 104.0 * n / 64} for n in (128, 256, 512) for c in (256, 1024, 4096)}
+    ragged = {(n, m): {"p": 100.0 * n / 64, "fi": 300.0 * n / 64, "fa3": 310.0 * n / 64}
+              for n in (128, 512) for m in (512, 1024)}
+    data = measured({**coarse, **finer}, ragged=ragged)
+    data["pruned"] = {"p": 1.5}
+    return build_table(data, ["fi", "fa3", "p"])
+
+
+def test_a_candidate_pruned_from_the_finer_uniform_grid_counts_there_at_its_coarse_ratio():
+    """Below the timed skew "p" counts on the uniform side at its least ratio on the coarse grid (1.5x, as
+    timing.prune recorded it) instead of dropping out of the blend: 3x ahead on the ragged side, it still wins at
+    about half the timed skew, as the ragged sub-table alone chose."""
+    table = pruned_tables()
+    assert table.pruned == (("p", 1.5),)
+    assert table.without("blend").backend_for((300, 700), longest=4 * 700) == "p"
+    assert table.backend_for((300, 700), longest=4 * 700) == "p"
+    again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.backend_for((300, 700), longest=4 * 700) == "p"
+
 
 
 def test_ragged_buckets_of_zero_rows_or_mean_load_and_huge_rows_look_up():
