@@ -298,6 +298,8 @@ class DispatchTable:
         i = min(bisect.bisect_left(xs, x), len(xs) - 1)
         timed = logs[i] if xs[i] == x else logs[i - 1] + (logs[i] - logs[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
         w = round(32 * min(1.0, (math.log(longest) - math.log(max(key[1], 1))) / timed)) / 32
+        if w >= 1:  # as skewed as timed: the ragged buckets alone (their tie band, candidates pruned from the uniform)
+            return self.ragged.backend_for(key)
         sides = (self._sides(key), self.ragged._sides(key))
         memo = ("blend", w, *sides, self.bucket_for(key).key, self.ragged.bucket_for(key).key)
         hit = self._picks.get(memo, _MISSING)  # slowdowns in logs of times: each side's fastest drops out

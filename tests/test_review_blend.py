@@ -63,6 +63,22 @@ def pruned_tables():
     return build_table(data, ["fi", "fa3", "p"])
 
 
+def test_at_or_past_the_timed_skew_the_ragged_buckets_decide_as_before():
+    """A batch at least as skewed as the ragged buckets were timed (w = 1) is served as the ragged sub-table alone
+    served it: on a timed ragged bucket within the tie band (TIE) its priority decides, as the bucket records; a
+    candidate the finer uniform grid never timed (pruned) that wins the ragged buckets serves."""
+    uniform = {(128, 512): {"fi": 100.0, "fa3": 112.0}, (512, 512): {"fi": 400.0, "fa3": 450.0}}
+    ragged = {(128, 512): {"fi": 100.0, "fa3": 99.6}, (512, 512): {"fi": 400.0, "fa3": 398.5}}
+    table = build_table(measured(uniform, ragged=ragged), ["fi", "fa3"])
+    assert [b.backend for b in table.ragged.buckets] == ["fi", "fi"]  # within 1%: priority
+    for key in ((128, 512), (512, 512)):
+        assert table.without("blend").backend_for(key, longest=20 * 512) == "fi"
+        assert table.backend_for(key, longest=20 * 512) == "fi"
+    table = pruned_tables()
+    assert table.without("blend").backend_for((300, 700), longest=20 * 700) == "p"
+    assert table.backend_for((300, 700), longest=20 * 700) == "p"
+
+
 def test_a_candidate_pruned_from_the_finer_uniform_grid_counts_there_at_its_coarse_ratio():
     """Below the timed skew "p" counts on the uniform side at its least ratio on the coarse grid (1.5x, as
     timing.prune recorded it) instead of dropping out of the blend: 3x ahead on the ragged side, it still wins at
@@ -73,7 +89,6 @@ def test_a_candidate_pruned_from_the_finer_uniform_grid_counts_there_at_its_coar
     assert table.backend_for((300, 700), longest=4 * 700) == "p"
     again = DispatchTable.from_json(json.loads(json.dumps(table.to_json())))
     assert again.backend_for((300, 700), longest=4 * 700) == "p"
-
 
 
 def test_ragged_buckets_of_zero_rows_or_mean_load_and_huge_rows_look_up():
