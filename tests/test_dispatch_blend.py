@@ -1,6 +1,6 @@
-"""Review of the skew blend (DispatchTable._blended, commit 5d772c8): a decode batch the ragged buckets serve takes
-each candidate's slowdown interpolated between the uniform and ragged tables by log(skew) / log(timed skew). Pure
-Python on hand-made tables (as tests/test_dispatch_table.py)."""
+"""The eager decode lookup's blend (DispatchTable._blended): a decode batch the ragged buckets serve takes each
+candidate's slowdown interpolated between the uniform and ragged tables by log(skew) / log(timed skew). Pure Python
+on hand-made tables (as tests/test_dispatch_table.py)."""
 import json
 import math
 
