@@ -340,18 +340,19 @@ def untimed_extend(spec: AttentionSpec, mode: str) -> dict:
 
 
 def select_modes(spec: AttentionSpec, modes: list[str], device: torch.device, records: list[dict],
-                 phases: tuple[str, ...] = ("prefill", "decode", "extend")) -> dict:
+                 phases: tuple[str, ...] = ("prefill", "decode", "extend"), priority: dict | None = None) -> dict:
     """mode -> the Selection of ``spec`` (a mode whose selection failed is missing, with a warning); appends each
     selection's record (choices, cache, wall time, stats, dispatch tables) to ``records``. Without "extend" in
     ``phases`` the selection considers one extend candidate (validated, not timed: ``untimed_extend``): prefill's
     and decode's tables are the same (each phase's timing has its own share of the budget, and theirs end before it
-    runs out; see the results file), and the selection takes about half the time."""
+    runs out; see the results file), and the selection takes about half the time. ``priority``: select()'s
+    {"decode_priority": [...], ...} (the auto candidates per phase; default attnsel's)."""
     choices = {}
     for mode in modes:
         t_sel = time.perf_counter()
         fixed = {} if "extend" in phases else untimed_extend(spec, mode)
         try:
-            choices[mode] = select(spec, mode=mode, device=str(device), **fixed)
+            choices[mode] = select(spec, mode=mode, device=str(device), **{**(priority or {}), **fixed})
         except Exception as exc:
             log.warning("selection for %s (%s) failed: %s", spec.describe(), mode, exc)
             continue
@@ -419,10 +420,10 @@ def setup(names: list[str] | None, mode: str, out: str) -> tuple[torch.device, l
 
 
 def run_bench(base: AttentionSpec | list[AttentionSpec] | None, names: list[str] | None, mode: str, out: str,
-              quick: bool, console: Console, repeats: int = 1) -> int:
+              quick: bool, console: Console, repeats: int = 1, priority: dict | None = None) -> int:
     """Bench ``base`` (a spec, a list of specs, or None: the default specs) over the grid with ``names`` (None:
     every backend) in ``mode`` ("eager", "graph" or "both"), ``repeats`` passes, writing bench.md/json/png under
-    ``out``. Needs a CUDA device (RuntimeError)."""
+    ``out``; ``priority``: the selections' auto candidates (select_modes). Needs a CUDA device (RuntimeError)."""
     device, names, modes, out_dir, probe = setup(names, mode, out)
     log.info("probes: copy %.2f TB/s, read %.2f TB/s", probe["copy_tbps"], probe["read_tbps"])
     cells, checks, rows, selections = [], {}, [], []
@@ -434,7 +435,7 @@ def run_bench(base: AttentionSpec | list[AttentionSpec] | None, names: list[str]
                                                     repeats)
         cells += spec_cells
         checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
-        choices = select_modes(spec, modes, device, selections)
+        choices = select_modes(spec, modes, device, selections, priority=priority)
         rows += [compare(spec, phase, mode, label, key, row, runnable, choices.get(mode))
                  for phase, mode, label, key, row, runnable in groups]
         summary = summarise(rows)  # written after every spec: a bench cut short keeps the specs it finished

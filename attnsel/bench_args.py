@@ -25,6 +25,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="time the whole grid N times; a cell's time is the median over the passes, and the summary "
                         "adds how often the first pass's fastest stays within 3%% in the later ones (default 1)")
+    for phase in ("prefill", "decode", "extend"):
+        p.add_argument(f"--{phase}-priority", type=comma_names, metavar="A,B,...",
+                       help=f"the selection's auto candidates for {phase}, in order (default attnsel's; name an opt-in "
+                            "backend to judge it)")
     p.add_argument("--specs", metavar=f"{SPEC_FORMAT},...",
                    help="the specs to bench instead of the default ones, e.g. 32/8,40/8/128,32/8/64/fp16 (head_dim "
                         "128 and bf16 unless given; page size from --page-size, default 16)")
@@ -99,11 +103,14 @@ def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
 
 def check(args: argparse.Namespace, spec_flags: list[str]) -> None:
     """The combinations that make no sense: --cells without --heldout, --quick with it, --specs beside spec flags
-    (``spec_flags``: those given, --page-size aside, which --specs uses)."""
+    (``spec_flags``: those given, --page-size aside, which --specs uses), --extend-priority for an untimed extend."""
     if args.phases is not None and args.heldout is None:
         raise InvalidArgument("--phases sets the held-out phases: give --heldout SEED too")
     if args.cells is not None and args.heldout is None:
         raise InvalidArgument("--cells sets the held-out cells per phase: give --heldout SEED too")
+    if args.extend_priority is not None and args.heldout is not None and "extend" not in (args.phases or ()):
+        raise InvalidArgument("--extend-priority sets the timed extend candidates; the held-out bench times extend "
+                              "with --phases naming extend (without it the selection serves extend with torch)")
     if args.quick and args.heldout is not None:
         raise InvalidArgument("--quick picks the fixed grid's smaller set; with --heldout set the cells with --cells")
     if args.specs is not None and spec_flags:

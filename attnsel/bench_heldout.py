@@ -53,7 +53,7 @@ def draw(spec: AttentionSpec, modes: list[str], seed: int, counts: dict, sms: in
 
 def evaluate_spec(spec: AttentionSpec, names: list[str], modes: list[str], seed: int, counts: dict,
                   device: torch.device, probe: dict, sms: int | None, repeats: int,
-                  selections: list[dict], phases: tuple[str, ...] = PHASES
+                  selections: list[dict], phases: tuple[str, ...] = PHASES, priority: dict | None = None
                   ) -> tuple[list[bench.Cell], dict, list[dict]]:
     """Time ``spec``'s held-out cells, select per mode (records appended to ``selections``) and compare: returns the
     timed cells, the validity checks and one comparison row per cell with a time (bench.compare's, plus the
@@ -64,7 +64,7 @@ def evaluate_spec(spec: AttentionSpec, names: list[str], modes: list[str], seed:
         spec, names, modes, False, device, probe, log.info, repeats,
         grid=lambda phase, mode: [(label, c.key, c.shape, _work(spec, c)) for label, c in drawn[(phase, mode)]],
         phases=phases)
-    choices = bench.select_modes(spec, modes, device, selections, phases)
+    choices = bench.select_modes(spec, modes, device, selections, phases, priority)
     by_label = {(phase, mode, label): c for (phase, mode), items in drawn.items() for label, c in items}
     graph_batches = bench_cells.timed_batches(spec, "graph", sms)
     rows = []
@@ -120,10 +120,10 @@ def markdown(summary: list[dict], header: str) -> str:
 
 def run_heldout(specs: list[AttentionSpec], names: list[str] | None, mode: str, out: str, seed: int, counts: dict,
                 console: Console, repeats: int = 1, command: list[str] | None = None,
-                phases: tuple[str, ...] = PHASES) -> int:
+                phases: tuple[str, ...] = PHASES, priority: dict | None = None) -> int:
     """The held-out bench of ``specs`` in ``mode`` ("eager", "graph" or "both") with ``counts`` cells per phase
-    ({"prefill": n, "decode": n}), drawn with ``seed``; ``command``: the CLI arguments, recorded. Needs a CUDA
-    device (RuntimeError)."""
+    ({"prefill": n, "decode": n}), drawn with ``seed``; ``command``: the CLI arguments, recorded; ``priority``: the
+    selections' auto candidates (bench.select_modes). Needs a CUDA device (RuntimeError)."""
     device, names, modes, out_dir, probe = bench.setup(names, mode, out)
     sms = grid.device_sms(device)
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -134,7 +134,7 @@ def run_heldout(specs: list[AttentionSpec], names: list[str] | None, mode: str, 
     t0 = time.perf_counter()
     for spec in specs:
         spec_cells, spec_checks, spec_rows = evaluate_spec(spec, names, modes, seed, counts, device, probe, sms,
-                                                           repeats, selections, phases)
+                                                           repeats, selections, phases, priority)
         cells += spec_cells
         checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
         rows += spec_rows

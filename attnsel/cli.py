@@ -347,6 +347,11 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     base = bench_args.parse_specs(args.specs, args.page_size) if args.specs is not None else base
     for name in args.backends or ():
         _check_backend_choice("--backends", name, allow_auto=False)
+    priority = {f"{p}_priority": getattr(args, f"{p}_priority") for p in ("prefill", "decode", "extend")
+                if getattr(args, f"{p}_priority") is not None}
+    for flag, names in priority.items():
+        for name in names:
+            _check_backend_choice(f"--{flag.replace('_', '-')}", name, allow_auto=False)
     if args.repeats < 1:
         raise UsageError(f"--repeats must be a whole number of passes, at least 1; got {args.repeats}")
     seed = bench_args.parse_seed(args.heldout) if args.heldout is not None else None
@@ -356,8 +361,8 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
         raise CannotRun("attnsel bench times kernels on a CUDA device; none was found")
     if seed is not None:
         return run_heldout(base if isinstance(base, list) else [base] if base else HELDOUT_SPECS, args.backends,
-                           args.mode, args.out, seed, counts, Console(), args.repeats, args.argv, phases)
-    return run_bench(base, args.backends, args.mode, args.out, args.quick, Console(), args.repeats)
+                           args.mode, args.out, seed, counts, Console(), args.repeats, args.argv, phases, priority)
+    return run_bench(base, args.backends, args.mode, args.out, args.quick, Console(), args.repeats, priority)
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:

@@ -328,14 +328,15 @@ def test_bench_hands_its_flags_to_run_bench(capsys, monkeypatch):
 
     got = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "run_bench", lambda base, names, mode, out, quick, console, repeats:
-                        got.update(base=base, names=names, mode=mode, out=out, quick=quick, repeats=repeats) or 0)
+    monkeypatch.setattr(bench, "run_bench", lambda base, names, mode, out, quick, console, repeats, priority:
+                        got.update(base=base, names=names, mode=mode, out=out, quick=quick, repeats=repeats,
+                                   priority=priority) or 0)
     code, _, _ = run(capsys, "bench", *SMALL, "--backends", "torch,triton", "--mode", "eager", "--repeats", "3",
                      "--out", "somewhere")
     assert code == 0 and got["repeats"] == 3 and got["names"] == ["torch", "triton"] and got["mode"] == "eager"
     assert got["out"] == "somewhere" and not got["quick"] and got["base"].num_q_heads == 4
     code, _, _ = run(capsys, "bench", "--quick")
-    assert code == 0 and got["repeats"] == 1 and got["base"] is None and got["quick"]
+    assert code == 0 and got["repeats"] == 1 and got["base"] is None and got["quick"] and got["priority"] == {}
 
 
 def test_quiet_after_the_subcommand_and_version(capsys):

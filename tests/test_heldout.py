@@ -247,15 +247,16 @@ def test_heldout_flags_reach_run_heldout(capsys, monkeypatch):
     got = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_heldout, "run_heldout", lambda specs, names, mode, out, seed, counts, console, repeats,
-                        command, phases: got.update(specs=specs, names=names, mode=mode, seed=seed, counts=counts,
-                                                    repeats=repeats, command=command, phases=phases) or 0)
+                        command, phases, priority: got.update(specs=specs, names=names, mode=mode, seed=seed,
+                                                              counts=counts, repeats=repeats, command=command,
+                                                              phases=phases, priority=priority) or 0)
     code, _, _ = run(capsys, "bench", "--heldout", "7", "--specs", "40/8,32/8/64/fp16, 8/1/float16", "--page-size",
                      "32", "--cells", "3,5", "--mode", "graph", "--repeats", "2")
     assert code == 0 and got["seed"] == 7 and got["counts"] == {"prefill": 3, "decode": 5, "extend": 16}
     assert got["phases"] == ("prefill", "decode")
     assert got["specs"] == [AttentionSpec(40, 8, 128, "bf16", 32), AttentionSpec(32, 8, 64, "fp16", 32),
                             AttentionSpec(8, 1, 128, "fp16", 32)]
-    assert got["mode"] == "graph" and got["repeats"] == 2
+    assert got["mode"] == "graph" and got["repeats"] == 2 and got["priority"] == {}
     assert got["command"] == ["bench", "--heldout", "7", "--specs", "40/8,32/8/64/fp16, 8/1/float16", "--page-size",
                               "32", "--cells", "3,5", "--mode", "graph", "--repeats", "2"]
     code, _, _ = run(capsys, "bench", "--heldout", "0")
@@ -273,8 +274,8 @@ def test_heldout_flags_reach_run_heldout(capsys, monkeypatch):
 def test_specs_without_heldout_go_to_the_fixed_bench(capsys, monkeypatch):
     got = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "run_bench", lambda base, names, mode, out, quick, console, repeats:
-                        got.update(base=base) or 0)
+    monkeypatch.setattr(bench, "run_bench", lambda base, names, mode, out, quick, console, repeats, priority:
+                        got.update(base=base, priority=priority) or 0)
     code, _, _ = run(capsys, "bench", "--specs", "40/8,48/8")
     assert code == 0 and got["base"] == [AttentionSpec(40, 8, 128), AttentionSpec(48, 8, 128)]
     assert bench.grid_specs(False, got["base"]) == got["base"]
@@ -307,7 +308,7 @@ def test_heldout_plumbing_end_to_end_on_cpu(monkeypatch, tmp_path):
                      "triton": _fake_us([k[1]] if phase == "prefill" else k)["b"]} for k in keys}
         return build_table(measured(phase, mode, cells), ["triton", "torch"])
 
-    def fake_select_modes(spec, modes, device, records, phases):
+    def fake_select_modes(spec, modes, device, records, phases, priority):
         assert phases == ("prefill", "decode")
         records += [{"spec": spec.to_dict(), "mode": m} for m in modes]
         return {m: Selection(spec, {p: PhaseChoice("torch", "auto", [], table(p, m)) for p in ("prefill", "decode")},
@@ -460,3 +461,32 @@ def test_an_untimed_extend_backend_that_fails_validation_leaves_extend_unserved_
     assert "failed" not in caplog.text
     assert list(got) == ["eager"] and not got["eager"].extend
     assert got["eager"].prefill_backend_for(2, 128, 64) in ("torch", "triton")
+
+
+def test_the_benchs_priority_flags_reach_the_selection(capsys, monkeypatch):
+    """--decode-priority (and prefill's, extend's) set the selections' auto candidates, e.g. to judge an opt-in
+    backend on held-out cells: checked by name, passed to select(); extend's only where extend is timed."""
+    got = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_heldout, "run_heldout", lambda *a: got.update(priority=a[-1]) or 0)
+    monkeypatch.setattr(bench, "run_bench", lambda *a: got.update(fixed=a[-1]) or 0)
+    code, _, _ = run(capsys, "bench", "--heldout", "5", "--decode-priority", "flashinfer,flashinfer_xqa,triton")
+    assert code == 0 and got["priority"] == {"decode_priority": ["flashinfer", "flashinfer_xqa", "triton"]}
+    code, _, _ = run(capsys, "bench", "--extend-priority", "triton,fa3", "--prefill-priority", "fa3")
+    assert code == 0 and got["fixed"] == {"extend_priority": ["triton", "fa3"], "prefill_priority": ["fa3"]}
+    code, _, _ = run(capsys, "bench", "--heldout", "5", "--phases", "extend", "--extend-priority", "triton")
+    assert code == 0 and got["priority"] == {"extend_priority": ["triton"]}
+    code, _, err = run(capsys, "bench", "--heldout", "5", "--decode-priority", "flashinfer,nosuch")
+    assert code == 2 and "--decode-priority: unknown backend 'nosuch'" in err
+    code, _, err = run(capsys, "bench", "--heldout", "5", "--extend-priority", "triton")
+    assert code == 2 and "--extend-priority sets the timed extend candidates" in err
+    asked = []
+
+    def fake_select(spec, **kwargs):
+        asked.append(kwargs)
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(bench, "select", fake_select)
+    bench.select_modes(AttentionSpec(32, 8, 128), ["eager"], "cpu", [], ("prefill", "decode"),
+                       {"decode_priority": ["flashinfer_xqa", "triton"]})
+    assert asked[0]["decode_priority"] == ["flashinfer_xqa", "triton"] and asked[0]["extend_priority"] == ["torch"]
