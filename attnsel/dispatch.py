@@ -87,19 +87,17 @@ class DispatchTable:
     there is the one best over the timed contexts and ragged batches: least geometric-mean time). Lookups work on a
     shape's ``point``: its key, except prefill's, which is (total_tokens / longest, longest): the timed uniform batches
     (n x L) form a full grid there, so that interpolation has its corners, and a ragged batch counts as the number
-    of its longest prompt that it is worth (held out from the grid, this predicted the winner better than the
-    three keys or the tokens, as well as the number of sequences; see the results file). ``cell`` gives a shape's
-    per-axis bucket index on a log scale (boundaries at the geometric midpoints of neighbouring timed values, shapes
-    beyond the ends clamped); ``bucket_for`` gives the timed bucket nearest to the shape in log space (clamped to
-    the timed range). ``default`` is the phase's headline backend: the best single backend over all buckets.
+    of its longest prompt that it is worth (on held-out cells it predicted the winner best; see the results file).
+    ``cell``: a shape's per-axis bucket index on a log scale (boundaries at the geometric midpoints of timed values,
+    clamped); ``bucket_for``: the timed bucket nearest in log space. ``default``: the best single backend overall.
 
     ``backend_for`` interpolates between timed shapes: where every corner of the box of timed values around a shape
-    was timed (per axis the values just below and above it, in log space), each candidate's slowdown (log of its time
-    over the corner's fastest) is interpolated multilinearly in log space and the least wins (exact ties: the order
-    the table was built with). A backend that wins one corner narrowly and loses badly at the next then does not
-    serve the shapes between them. A shape past the grid's ends is first clamped onto its edge. Elsewhere (a corner
-    not timed: a hole left by a cap) the nearest bucket serves.
-    scripts/replay_dispatch.py replays recorded benches with these rules, and with each switched off (``without``).
+    was timed (per axis the values just below and above it), each candidate's slowdown (log of its time over the
+    corner's fastest) is interpolated multilinearly in log space and the least wins (exact ties: the order the table
+    was built with), so a backend that wins one corner narrowly and loses badly at the next does not serve the
+    shapes between them. A shape past the grid's ends is clamped onto its edge; elsewhere (a corner not timed: a
+    hole left by a cap) the nearest bucket serves. scripts/replay_dispatch.py replays recorded benches with these
+    rules, each switched off too (``without``).
     """
 
     phase: str
@@ -221,9 +219,7 @@ class DispatchTable:
         if not self.interpolate:
             return self.bucket_for(key).backend
         sides = self._sides(key)
-        hit = self._picks.get(sides, _MISSING)
-        if hit is _MISSING:
-            hit = self._picks[sides] = self._interpolated(sides)
+        hit = self._memo(sides, lambda: self._interpolated(sides))
         # the fallback is looked up from the exact key (bucket_for memoises on its own, finer rounding)
         return hit or self.bucket_for(key).backend
 
@@ -279,20 +275,28 @@ class DispatchTable:
         # with the nearest buckets: where a corner is untimed or interpolation is off, _times reads the nearest
         # bucket, which shapes of one rounded position need not share (either side of a midpoint)
         memo = (*sides, self.bucket_for(key).key, self.bucket_for(lone).key)
-        hit = self._picks.get(memo, _MISSING)
-        if hit is _MISSING:
+
+        def least() -> str | None:
             even, alone = self._times(key, sides[0]), self._times(lone, sides[1])
-            cost = {n: even[n] + alone[n] for n in set(even) & set(alone)}
-            hit = min(cost, key=lambda n: (cost[n], self._order.index(n))) if cost else None
-            if len(self._picks) >= 4096:  # bounded memo
+            return self._least({n: even[n] + alone[n] for n in set(even) & set(alone)})
+        return self._memo(memo, least)
+
+    def _memo(self, key: tuple, compute) -> str | None:
+        """The lookup's pick for a memo key (the rounded positions a pick depends on), computed once; bounded."""
+        hit = self._picks.get(key, _MISSING)
+        if hit is _MISSING:
+            if len(self._picks) >= 4096:
                 self._picks.clear()
-            self._picks[memo] = hit
+            hit = self._picks[key] = compute()
         return hit
 
+    def _least(self, cost: dict[str, float]) -> str | None:
+        """The candidate of least cost (exact ties: the order the table was built with); None for no candidate."""
+        return min(cost, key=lambda n: (cost[n], self._order.index(n))) if cost else None
+
     def _blended(self, key: tuple[int, ...], longest: int) -> str:
-        """A batch the ragged buckets serve. They were timed at one skew (longest row over mean) per batch size, 3x
-        at 8 rows to 13x at 512, the uniform ones at none, and the winner moves between (results file): each
-        candidate's slowdown is interpolated in log skew, log(skew) / log(timed skew) of it the ragged table's."""
+        """A batch the ragged buckets serve, timed at one skew (longest row / mean: 3x at 8 rows to 13x at 512), the
+        winner moving between uniform and that (results file): slowdowns interpolated by log(skew) / log(timed)."""
         xs, logs = zip(*self._ragged_skews)  # the timed skew at this batch size: interpolated in log batch
         x = min(max(math.log(key[0]), xs[0]), xs[-1])
         i = min(bisect.bisect_left(xs, x), len(xs) - 1)
@@ -302,22 +306,19 @@ class DispatchTable:
             return self.ragged.backend_for(key)
         sides = (self._sides(key), self.ragged._sides(key))
         memo = ("blend", w, *sides, self.bucket_for(key).key, self.ragged.bucket_for(key).key)
-        hit = self._picks.get(memo, _MISSING)  # slowdowns in logs of times: each side's fastest drops out
-        if hit is _MISSING:  # a candidate the finer uniform grid did not time (pruned): its least coarse ratio there
+
+        def least() -> str | None:  # slowdowns in logs of times: each side's fastest drops out
             even, skewed = self._times(key, sides[0]), self.ragged._times(key, sides[1])
+            # a candidate the finer uniform grid did not time (pruned): its least coarse ratio there
             even = {**{n: r * min(even.values()) for n, r in self.pruned if even and n in self._order}, **even}
-            cost = {n: (1 - w) * math.log(even[n]) + w * math.log(skewed[n]) for n in set(even) & set(skewed)}
-            hit = min(cost, key=lambda n: (cost[n], self._order.index(n))) if cost else None
-            if len(self._picks) >= 4096:  # bounded memo
-                self._picks.clear()
-            self._picks[memo] = hit
-        return hit or self.ragged.backend_for(key)
+            return self._least({n: (1 - w) * math.log(even[n]) + w * math.log(skewed[n])
+                                for n in set(even) & set(skewed)})
+        return self._memo(memo, least) or self.ragged.backend_for(key)
 
     def without(self, *rules: str) -> "DispatchTable":
-        """This table (and its ragged sub-table) with lookup rules switched off, to measure what each earns
-        (scripts/replay_dispatch.py): "interpolation" (the nearest bucket serves every shape), "skew" (no skewed-batch
-        estimate), "blend" (the ragged sub-table alone serves the batches it covers) or "ragged" (no sub-table, no
-        estimate: a skewed batch goes by its mean)."""
+        """This table (and its ragged sub-table) with lookup rules off, to measure what each earns (replay_dispatch):
+        "interpolation" (the nearest bucket serves), "skew" (no skewed-batch estimate), "blend" (the ragged sub-table
+        alone serves what it covers) or "ragged" (no sub-table, no estimate: a skewed batch goes by its mean)."""
         unknown = [r for r in rules if r not in LOOKUP_RULES]
         if unknown:
             raise ValueError(f"unknown lookup rule(s) {', '.join(map(repr, unknown))}; the rules that can be switched "
@@ -354,8 +355,7 @@ class DispatchTable:
         names = set.intersection(*(set(self._slowdowns[c]) for c, _ in corners))
         if not names:
             return None
-        cost = {n: sum(w * self._slowdowns[c][n] for c, w in corners) for n in names}
-        return min(cost, key=lambda n: (cost[n], self._order.index(n)))
+        return self._least({n: sum(w * self._slowdowns[c][n] for c, w in corners) for n in names})
 
     def __str__(self) -> str:
         """The table as text: a line of what it is (phase, mode, axes, default backend, wins, skipped and pruned
