@@ -17,6 +17,13 @@ def comma_names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
+def add_priority_args(p, more: str = "") -> None:
+    """--prefill-priority, --decode-priority, --extend-priority: a selection's auto candidates per phase."""
+    for phase in ("prefill", "decode", "extend"):
+        p.add_argument(f"--{phase}-priority", type=comma_names, metavar="A,B,...",
+                       help=f"auto candidates for {phase}, in order{more}")
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", type=comma_names, metavar="A,B,...", help="backends to time (default: all available)")
     p.add_argument("--mode", choices=(*MODES, "both"), default="both", help="eager launches, CUDA graphs, or both")
@@ -25,10 +32,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="time the whole grid N times; a cell's time is the median over the passes, and the summary "
                         "adds how often the first pass's fastest stays within 3%% in the later ones (default 1)")
-    for phase in ("prefill", "decode", "extend"):
-        p.add_argument(f"--{phase}-priority", type=comma_names, metavar="A,B,...",
-                       help=f"the selection's auto candidates for {phase}, in order (default attnsel's; name an opt-in "
-                            "backend to judge it)")
+    add_priority_args(p, " (default attnsel's; name an opt-in backend to judge it)")
     p.add_argument("--specs", metavar=f"{SPEC_FORMAT},...",
                    help="the specs to bench instead of the default ones, e.g. 32/8,40/8/128,32/8/64/fp16 (head_dim "
                         "128 and bf16 unless given; page size from --page-size, default 16)")

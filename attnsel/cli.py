@@ -70,7 +70,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
     from . import backends
-    from .bench_args import comma_names as _names
+    from .bench_args import add_priority_args
     from .selection import DEFAULT_PRIORITY, MODES, POLICIES
 
     opt_in = [n for n in backends.BUILTINS if not any(n in DEFAULT_PRIORITY[ph] for ph in DEFAULT_PRIORITY)]
@@ -90,9 +90,7 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
                    help="auto: time valid candidates (measure, default) or take the first valid (priority)")
     g.add_argument("--mode", choices=MODES, default="eager",
                    help="how the engine launches kernels, for timing: eager or CUDA graph replays")
-    g.add_argument("--prefill-priority", type=_names, metavar="A,B,...", help="auto candidates for prefill, in order")
-    g.add_argument("--decode-priority", type=_names, metavar="A,B,...", help="auto candidates for decode, in order")
-    g.add_argument("--extend-priority", type=_names, metavar="A,B,...", help="auto candidates for extend, in order")
+    add_priority_args(g)
     g.add_argument("--timeout", type=seconds, metavar="S",
                    help="seconds per candidate in the validation worker (default $ATTNSEL_VALIDATION_TIMEOUT or 600)")
     g.add_argument("--device", help="torch device to validate on (default: cuda if present, else cpu)")
@@ -197,8 +195,17 @@ def check_backend_args(args: argparse.Namespace) -> None:
         value, where = _backend_choice(args, phase)
         _check_backend_choice(where, value)
         setattr(args, phase, value)
-        for name in getattr(args, f"{phase}_priority") or ():
-            _check_backend_choice(f"--{phase}-priority", name, allow_auto=False)
+    _priority_args(args)
+
+
+def _priority_args(args: argparse.Namespace) -> dict:
+    """The --PHASE-priority lists given, as select()'s keyword arguments, every name checked."""
+    given = {f"{p}_priority": getattr(args, f"{p}_priority") for p in ("prefill", "decode", "extend")
+             if getattr(args, f"{p}_priority") is not None}
+    for flag, names in given.items():
+        for name in names:
+            _check_backend_choice(f"--{flag.replace('_', '-')}", name, allow_auto=False)
+    return given
 
 
 def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -> Selection:
@@ -347,11 +354,7 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     base = bench_args.parse_specs(args.specs, args.page_size) if args.specs is not None else base
     for name in args.backends or ():
         _check_backend_choice("--backends", name, allow_auto=False)
-    priority = {f"{p}_priority": getattr(args, f"{p}_priority") for p in ("prefill", "decode", "extend")
-                if getattr(args, f"{p}_priority") is not None}
-    for flag, names in priority.items():
-        for name in names:
-            _check_backend_choice(f"--{flag.replace('_', '-')}", name, allow_auto=False)
+    priority = _priority_args(args)
     if args.repeats < 1:
         raise UsageError(f"--repeats must be a whole number of passes, at least 1; got {args.repeats}")
     seed = bench_args.parse_seed(args.heldout) if args.heldout is not None else None
