@@ -113,8 +113,8 @@ def check(args: argparse.Namespace, spec_flags: list[str]) -> None:
     if args.cells is not None and args.heldout is None:
         raise InvalidArgument("--cells sets the held-out cells per phase: give --heldout SEED too")
     if args.extend_priority is not None and args.heldout is not None and "extend" not in (args.phases or ()):
-        raise InvalidArgument("--extend-priority sets the timed extend candidates; the held-out bench times extend "
-                              "with --phases naming extend (without it the selection serves extend with torch)")
+        raise InvalidArgument("--extend-priority sets the timed extend candidates; a held-out run times extend only "
+                              "with extend in --phases (e.g. --phases prefill,decode,extend)")
     if args.quick and args.heldout is not None:
         raise InvalidArgument("--quick picks the fixed grid's smaller set; with --heldout set the cells with --cells")
     if args.specs is not None and spec_flags:

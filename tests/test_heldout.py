@@ -479,7 +479,7 @@ def test_the_benchs_priority_flags_reach_the_selection(capsys, monkeypatch):
     code, _, err = run(capsys, "bench", "--heldout", "5", "--decode-priority", "flashinfer,nosuch")
     assert code == 2 and "--decode-priority: unknown backend 'nosuch'" in err
     code, _, err = run(capsys, "bench", "--heldout", "5", "--extend-priority", "triton")
-    assert code == 2 and "--extend-priority sets the timed extend candidates" in err
+    assert code == 2 and "with extend in --phases (e.g. --phases prefill,decode,extend)" in err
     asked = []
 
     def fake_select(spec, **kwargs):
