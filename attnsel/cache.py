@@ -211,11 +211,12 @@ def _dispatch_problem(entry: dict) -> str | None:
             or not all(isinstance(a, str) for a in measured["axes"])):
         return "a dispatch entry whose buckets are not a list or axes not a list of names"
     pruned = measured.get("pruned", {})
-    if (not isinstance(pruned, dict) or not all(_number_or_none(r) and r is not None for r in pruned.values())
+    if (not isinstance(pruned, dict)  # a ratio: a least time over the fastest's (timing.prune), >= 1
+            or not all(_number_or_none(r) and r is not None and r >= 1 for r in pruned.values())
             or not isinstance(measured.get("skipped", []), list)
             or not all(isinstance(x, str) for x in measured.get("skipped", []))):
-        return ("a dispatch entry whose pruned or skipped candidates are malformed (pruned: candidate -> ratio; "
-                "skipped: bucket labels)")
+        return ("a dispatch entry whose pruned or skipped candidates are malformed (pruned: candidate -> ratio, "
+                ">= 1; skipped: bucket labels)")
     near = measured.get("pruned_near", {})  # the selector's reasons read {candidate: finer buckets it skipped}
     if not isinstance(near, dict) or not all(isinstance(n, str) and type(c) is int and c >= 0
                                              for n, c in near.items()):

@@ -4,6 +4,7 @@ and back (``to_json`` / ``from_json``)."""
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import math
@@ -45,13 +46,11 @@ class Bucket:
         object.__setattr__(self, "pruned_near", tuple(near))  # a tuple: equal buckets compare equal
 
     def estimated_us(self) -> dict[str, float]:
-        """The usable times (numbers > 0) with each ``pruned_near`` candidate at timing.PRUNE times the fastest (the
-        least it was at the coarse buckets around); {} without a usable time. Lookups and the headline read these."""
-        times = {n: t for n, t in self.times_us.items() if isinstance(t, (int, float)) and t > 0}
-        if not times:
-            return {}
-        best = min(times.values())
-        return {**{n: timing.PRUNE * best for n in self.pruned_near}, **times}
+        """The usable times (finite numbers > 0) with each ``pruned_near`` candidate at timing.PRUNE times the fastest
+        (the least it was at the coarse buckets around); {} without a usable time. Lookups and the headline read
+        these."""
+        times = {n: t for n, t in self.times_us.items() if _usable(t)}
+        return {**{n: timing.PRUNE * min(times.values()) for n in self.pruned_near}, **times} if times else {}
 
     @property
     def ratio(self) -> float | None:
@@ -76,6 +75,14 @@ _MISSING = object()
 
 def _log2(x: float) -> float:
     return math.log2(max(x, 1))
+
+
+def _count(x) -> bool:  # a host int >= 0 (numpy's too): not a bool, a float or a tensor (reading one: a sync)
+    return (type(x) is int or isinstance(x, numbers.Integral) and not isinstance(x, bool)) and x >= 0  # int: fast
+
+
+def _usable(t) -> bool:  # a time a lookup can use: a finite number > 0 (not a bool, NaN, inf or text)
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +126,9 @@ class DispatchTable:
     def __post_init__(self) -> None:
         if not self.buckets:
             raise ValueError(f"a {self.phase} dispatch table needs at least one bucket")
+        for n, r in self.pruned:  # a hand edit (the lookups take log(r x a time)); timing.prune's ratios are >= 1
+            if not (_usable(r) and r >= 1):
+                raise ValueError(f"pruned: candidate {n!r} has ratio {r!r}; expected a finite number >= 1")
         if self.ragged is not None and not (self.phase == self.ragged.phase == "decode"
                                             and self.mode == self.ragged.mode == "eager"
                                             and self.ragged.axes == self.axes == tuple(timing.DECODE_AXES)
@@ -141,6 +151,9 @@ class DispatchTable:
         usable, slowdowns = {}, {}
         for b in self.buckets:  # a bucket without usable times (hand-made tables) just never takes part
             times = b.estimated_us()
+            if times and b.backend not in times:  # a hand edit: the lookups serve a bucket's backend
+                raise ValueError(f"bucket {b.label}: its backend {b.backend!r} has no usable time there (times_us: "
+                                 f"{b.times_us}); a usable time is a finite number > 0")
             if times and by_point[points[b.key]] is b:
                 best = min(times.values())
                 usable[points[b.key]] = times
@@ -159,9 +172,11 @@ class DispatchTable:
                                                    for n, x in lens.items()])  # (log batch, log skew), for _blended
 
     def _check_key(self, key: tuple[int, ...]) -> None:
-        if len(key) != len(self.axes):  # zip would drop the extra values or the missing axes silently
-            raise ValueError(f"a {self.phase} dispatch table ({self.mode}) is keyed by ({', '.join(self.axes)}), got "
-                             f"{tuple(key)!r}")
+        # zip would drop extra values or missing axes silently; NaN passes max() and fails every comparison
+        if len(key) != len(self.axes) or not all(map(_count, key)):
+            what = "" if len(key) != len(self.axes) else ": one host int >= 0 per axis"
+            raise InvalidArgument(f"a {self.phase} dispatch table ({self.mode}) is keyed by ({', '.join(self.axes)}), "
+                                  f"got {tuple(key)!r}{what}")
 
     def point(self, key: tuple[int, ...]) -> tuple[float, ...]:
         """Where a shape sits in the lookup space: its key; for prefill (total_tokens / longest, longest), as a batch
@@ -203,11 +218,10 @@ class DispatchTable:
         (``key[1]``), near a timed ragged bucket (``covers``), the ragged buckets decide (a ragged batch's speed is
         not its mean's uniform batch's: module timing), blended with the uniform ones below their timed skew
         (``_blended``). A skewed batch otherwise (``skewed``: extend from timing.RAGGED_SKEW, eager decode outside
-        the ragged buckets from grid.DECODE_SKEW times the mean): ``_skewed``. InvalidArgument for a ``longest``
-        that is not None or a host int >= 0 (a tensor would be read: a device sync)."""
+        the ragged buckets from grid.DECODE_SKEW times the mean): ``_skewed``. InvalidArgument for a key entry or
+        a ``longest`` (not None) that is not a host int >= 0 (a tensor would be read: a device sync)."""
         self._check_key(key)
-        if longest is not None and (isinstance(longest, bool) or not isinstance(longest, numbers.Integral)
-                                    or longest < 0):
+        if longest is not None and not _count(longest):
             raise InvalidArgument("longest: expected None or a non-negative Python int (the batch's longest context, "
                                   f"exact), got {longest!r}")
         if self.ragged is not None and longest is not None and self.ragged.covers(key, longest):
@@ -242,13 +256,8 @@ class DispatchTable:
         """Whether a batch is skewed: at least 2 rows, the longest context at least timing.RAGGED_SKEW (extend:
         requests, mean queries, mean context) or grid.DECODE_SKEW (eager decode: batch, mean context) times the
         mean. Prefill and graph-mode decode (keyed by batch size alone) never are."""
-        if self.axes == EXTEND_AXES:
-            skew = timing.RAGGED_SKEW
-        elif self.axes == tuple(timing.DECODE_AXES):
-            skew = DECODE_SKEW
-        else:
-            return False
-        return key[0] >= 2 and longest >= skew * max(key[-1], 1)
+        skew = {EXTEND_AXES: timing.RAGGED_SKEW, tuple(timing.DECODE_AXES): DECODE_SKEW}.get(self.axes)
+        return skew is not None and key[0] >= 2 and longest >= skew * max(key[-1], 1)
 
     def _times(self, key: tuple[int, ...], sides: tuple) -> dict[str, float]:
         """Each candidate's time (us) at a shape (``sides``: its ``_sides``): interpolated multilinearly in log space
@@ -352,9 +361,7 @@ class DispatchTable:
             corners.append((corner, weight))
         if len(corners) == 1:  # on a timed shape (or beyond the ends): that bucket's choice
             return self._by_point[corners[0][0]].backend
-        names = set.intersection(*(set(self._slowdowns[c]) for c, _ in corners))
-        if not names:
-            return None
+        names = set.intersection(*(set(self._slowdowns[c]) for c, _ in corners))  # none in common: None
         return self._least({n: sum(w * self._slowdowns[c][n] for c, w in corners) for n in names})
 
     def __str__(self) -> str:
@@ -378,10 +385,7 @@ class DispatchTable:
         return lines + (self.ragged._lines("ragged ") if self.ragged is not None else [])
 
     def wins(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for b in self.buckets:
-            counts[b.backend] = counts.get(b.backend, 0) + 1
-        return counts
+        return dict(collections.Counter(b.backend for b in self.buckets))
 
     def to_json(self) -> dict:
         return {"phase": self.phase, "mode": self.mode, "axes": list(self.axes), "default": self.default,
@@ -418,12 +422,9 @@ def _make_bucket(key: tuple, label: str, times: dict[str, float], spread: dict[s
 
 
 def build_table(measured: dict, order: list[str], usable: set[str] | None = None) -> DispatchTable | None:
-    """A dispatch table from ``timing.measure``'s result (or hand-made timings of the same form).
-
-    ``order``: the candidates in priority order (ties within TIE go to the earlier); ``usable``: the candidates
-    allowed to win (default: all in ``order``). Buckets where no usable candidate has a time are dropped; None when
-    nothing is left.
-    """
+    """A dispatch table from ``timing.measure``'s result (or hand-made timings of the same form). ``order``: the
+    candidates in priority order (ties within TIE go to the earlier); ``usable``: the candidates allowed to win
+    (default: all in ``order``). Buckets where no usable candidate has a time are dropped; None when nothing is left."""
     usable = set(order) if usable is None else usable
     order = [n for n in order if n in usable]
     phase, mode = measured["phase"], measured["mode"]
@@ -490,9 +491,7 @@ def build_table(measured: dict, order: list[str], usable: set[str] | None = None
     if everywhere:
         default = pick({n: _geomean([t[n] for t in est]) for n in everywhere}, order)
     else:
-        wins: dict[str, int] = {}
-        for b in buckets:
-            wins[b.backend] = wins.get(b.backend, 0) + 1
+        wins = collections.Counter(b.backend for b in buckets)
         default = max(order, key=lambda n: (wins.get(n, 0), -order.index(n)))
     return DispatchTable(phase, mode, axes, buckets, default, measured["grid_version"],
                          tuple(measured.get("skipped", ())), measured.get("wall_s"),
