@@ -151,9 +151,9 @@ class DispatchTable:
         usable, slowdowns = {}, {}
         for b in self.buckets:  # a bucket without usable times (hand-made tables) just never takes part
             times = b.estimated_us()
-            if times and b.backend not in times:  # a hand edit: the lookups serve a bucket's backend
-                raise ValueError(f"bucket {b.label}: its backend {b.backend!r} has no usable time there (times_us: "
-                                 f"{b.times_us}); a usable time is a finite number > 0")
+            if times and b.backend not in times or not isinstance(b.backend, str):  # hand edits: the lookups serve it
+                raise ValueError(f"bucket {b.label}: its backend {b.backend!r} is no candidate with a usable time "
+                                 f"there (times_us: {b.times_us}); a usable time is a finite number > 0")
             if times and by_point[points[b.key]] is b:
                 best = min(times.values())
                 usable[points[b.key]] = times

@@ -75,16 +75,21 @@ def test_a_loaded_time_the_lookup_cannot_use_takes_no_part(bad):
         assert loaded.backend_for(key, longest) == table.backend_for(key, longest)
 
 
-@pytest.mark.parametrize("bad", [math.nan, None, 0, -1.0, math.inf, "100", "gone"])
+@pytest.mark.parametrize("bad", [math.nan, None, 0, -1.0, math.inf, "100", "gone", "null"])
 def test_a_loaded_bucket_whose_backend_has_no_usable_time_is_named(bad):
     """A bucket's backend is the one it was timed fastest (or within the tie band) with: a loaded bucket whose backend
-    has no usable time there served that backend on its own shape and as the nearest bucket."""
+    has no usable time there served that backend on its own shape and as the nearest bucket; a null backend of a
+    bucket without times was returned by backend_for. (A bucket with no usable time at all still loads, and serves
+    its backend as the nearest bucket: tests/test_dispatch.py.)"""
     data = build_table(measured(BLEND_UNIFORM, ragged=BLEND_RAGGED), ["fa3", "fi"]).to_json()
     bucket = data["buckets"][0]
     if bad == "gone":
         bucket["backend"] = "ghost"
+    elif bad == "null":
+        bucket["backend"], bucket["times_us"] = None, {}
     else:
         bucket["times_us"][bucket["backend"]] = bad
-    with pytest.raises(ValueError, match=rf"^bucket {bucket['label']}: its backend '{bucket['backend']}' has no usable "
-                                         r"time there \(times_us: .*\); a usable time is a finite number > 0"):
+    with pytest.raises(ValueError, match=rf"^bucket {bucket['label']}: its backend {bucket['backend']!r} is no "
+                                         r"candidate with a usable time there \(times_us: .*\); a usable time is a "
+                                         r"finite number > 0"):
         DispatchTable.from_json(json.loads(json.dumps(data)))
