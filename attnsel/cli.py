@@ -203,9 +203,16 @@ def _priority_args(args: argparse.Namespace) -> dict:
     given = {f"{p}_priority": getattr(args, f"{p}_priority") for p in ("prefill", "decode", "extend")
              if getattr(args, f"{p}_priority") is not None}
     for flag, names in given.items():
-        for name in names:
-            _check_backend_choice(f"--{flag.replace('_', '-')}", name, allow_auto=False)
+        _check_names(f"--{flag.replace('_', '-')}", names)
     return given
+
+
+def _check_names(flag: str, names: list[str]) -> None:
+    """A list flag of backend names (--backends, --PHASE-priority): at least one name, each a backend."""
+    if not names:  # "" or ",": the command would go on with its default silently
+        raise UsageError(f"{flag} names no backend; give A,B,..., or leave the flag out for the default")
+    for name in names:
+        _check_backend_choice(flag, name, allow_auto=False)
 
 
 def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -> Selection:
@@ -352,8 +359,8 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     given = any(getattr(args, f) is not None for f in ("config", "num_heads", "head_dim"))
     base = spec_from_args(args) if given else None  # bad input is exit 2 on any machine
     base = bench_args.parse_specs(args.specs, args.page_size) if args.specs is not None else base
-    for name in args.backends or ():
-        _check_backend_choice("--backends", name, allow_auto=False)
+    if args.backends is not None:
+        _check_names("--backends", args.backends)
     priority = _priority_args(args)
     if args.repeats < 1:
         raise UsageError(f"--repeats must be a whole number of passes, at least 1; got {args.repeats}")

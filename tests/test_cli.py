@@ -339,6 +339,37 @@ def test_bench_hands_its_flags_to_run_bench(capsys, monkeypatch):
     assert code == 0 and got["repeats"] == 1 and got["base"] is None and got["quick"] and got["priority"] == {}
 
 
+@pytest.mark.parametrize("command, flag", [("select", "--decode-priority"), ("report", "--extend-priority"),
+                                           ("bench", "--prefill-priority"), ("bench", "--backends")])
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_a_list_of_backends_that_names_none_exits_2(capsys, command, flag, value):
+    """--decode-priority "" (a shell variable left empty) named no candidate and the selection silently took
+    attnsel's default order (bench's --backends "": every backend); as --phases "" it is refused, by select and bench
+    alike, before bench's CUDA check."""
+    code, out, err = run(capsys, command, *SMALL, flag, value)
+    assert (code, out) == (2, "")
+    assert err.strip() == f"attnsel: error: {flag} names no backend; give A,B,..., or leave the flag out for the default"
+
+
+def test_bench_hands_the_priority_lists_to_both_benches(capsys, monkeypatch):
+    """The --PHASE-priority lists reach the fixed grid's bench and the held-out one (select_modes hands them to
+    select())."""
+    import torch
+
+    from attnsel import bench, bench_heldout
+
+    got = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run_bench", lambda *a: got.update(fixed=a[-1]) or 0)
+    monkeypatch.setattr(bench_heldout, "run_heldout", lambda *a: got.update(heldout=a[-1]) or 0)
+    argv = ["--decode-priority", "triton, torch,triton", "--prefill-priority", "fa3_split"]
+    assert run(capsys, "bench", *SMALL, *argv)[0] == 0
+    assert got["fixed"] == {"prefill_priority": ["fa3_split"], "decode_priority": ["triton", "torch", "triton"]}
+    assert run(capsys, "bench", *SMALL, *argv, "--extend-priority", "torch", "--heldout", "5",
+               "--phases", "decode,extend")[0] == 0
+    assert got["heldout"] == {**got["fixed"], "extend_priority": ["torch"]}
+
+
 def test_quiet_after_the_subcommand_and_version(capsys):
     code, out, err = run(capsys, "select", *SMALL, "-q", "--policy", "priority")
     assert code == 0 and err == ""  # no progress lines
