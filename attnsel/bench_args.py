@@ -105,6 +105,16 @@ def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
     return specs
 
 
+def check_untimed(names: list[str] | None, priority: dict) -> None:
+    """The --PHASE-priority names (``priority``: select()'s keyword arguments) beside --backends (``names``; None:
+    every backend is timed): each one timed, else the selection's picks of it have no time in any cell (misses)."""
+    for arg, chosen in priority.items():
+        untimed = [n for n in chosen if names is not None and n not in names]
+        if untimed:
+            raise InvalidArgument(f"--{arg.replace('_', '-')} names {', '.join(untimed)}, which --backends does not "
+                                  "time: the bench could not judge the selection's picks; add it to --backends")
+
+
 def check(args: argparse.Namespace, spec_flags: list[str]) -> None:
     """The combinations that make no sense: --cells without --heldout, --quick with it, --specs beside spec flags
     (``spec_flags``: those given, --page-size aside, which --specs uses), --extend-priority for an untimed extend."""

@@ -362,6 +362,7 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     if args.backends is not None:
         _check_names("--backends", args.backends)
     priority = _priority_args(args)
+    bench_args.check_untimed(args.backends, priority)
     if args.repeats < 1:
         raise UsageError(f"--repeats must be a whole number of passes, at least 1; got {args.repeats}")
     seed = bench_args.parse_seed(args.heldout) if args.heldout is not None else None

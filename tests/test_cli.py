@@ -348,7 +348,24 @@ def test_a_list_of_backends_that_names_none_exits_2(capsys, command, flag, value
     alike, before bench's CUDA check."""
     code, out, err = run(capsys, command, *SMALL, flag, value)
     assert (code, out) == (2, "")
-    assert err.strip() == f"attnsel: error: {flag} names no backend; give A,B,..., or leave the flag out for the default"
+    assert err.strip() == f"attnsel: error: {flag} names no backend; give A,B,..., or leave the flag out for the " \
+                          "default"
+
+
+def test_bench_refuses_a_priority_name_that_backends_leaves_untimed(capsys, monkeypatch):
+    """--backends torch,triton --decode-priority fa3,triton: the selection may pick fa3, which no cell times; every
+    such pick was a miss (no time) in the summary, with no word why. Exit 2 on any machine."""
+    import torch
+
+    from attnsel import bench
+
+    code, out, err = run(capsys, "bench", *SMALL, "--backends", "torch,triton", "--decode-priority", "fa3,triton")
+    assert (code, out) == (2, "")
+    assert err.strip() == ("attnsel: error: --decode-priority names fa3, which --backends does not time: the bench "
+                           "could not judge the selection's picks; add it to --backends")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run_bench", lambda *a: 0)
+    assert run(capsys, "bench", *SMALL, "--backends", "torch,triton", "--decode-priority", "triton,torch")[0] == 0
 
 
 def test_bench_hands_the_priority_lists_to_both_benches(capsys, monkeypatch):
