@@ -352,6 +352,22 @@ def test_a_list_of_backends_that_names_none_exits_2(capsys, command, flag, value
                           "default"
 
 
+@pytest.mark.parametrize("argv, env, where", [
+    (["--decode-backend", "torch"], {}, "--decode-backend"),
+    (["--llm_decode_att_backend", "torch"], {}, "--llm_decode_att_backend"),
+    ([], {"ATTNSEL_DECODE_BACKEND": "torch"}, "ATTNSEL_DECODE_BACKEND=torch (environment variable)")])
+def test_select_refuses_a_priority_list_for_a_phase_named_explicitly(capsys, monkeypatch, argv, env, where):
+    """An explicit decode backend (flag or environment variable) and --decode-priority: the selection served torch
+    and dropped the list without a word (bench, which always selects automatically, takes the list)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for command in ("select", "report"):
+        code, out, err = run(capsys, command, *SMALL, *argv, "--decode-priority", "triton,torch")
+        assert (code, out) == (2, "")
+        assert err.strip() == (f"attnsel: error: --decode-priority sets decode's auto candidates, but {where} names "
+                               "torch: give one")
+
+
 def test_bench_refuses_a_priority_name_that_backends_leaves_untimed(capsys, monkeypatch):
     """--backends torch,triton --decode-priority fa3,triton: the selection may pick fa3, which no cell times; every
     such pick was a miss (no time) in the summary, with no word why. Exit 2 on any machine."""
