@@ -43,6 +43,8 @@ class Bucket:
         near = self.pruned_near
         if not isinstance(near, (list, tuple)) or not all(isinstance(n, str) for n in near):
             raise ValueError(f"bucket {self.label}: pruned_near must be a list of candidate names, got {near!r}")
+        if not all(map(_count, self.key)):  # a hand edit (lookups take logs of it; NaN fails every comparison)
+            raise ValueError(f"bucket {self.label}: key {self.key!r}: expected one host int >= 0 per axis")
         object.__setattr__(self, "pruned_near", tuple(near))  # a tuple: equal buckets compare equal
 
     def estimated_us(self) -> dict[str, float]:
@@ -137,7 +139,7 @@ class DispatchTable:
                              f"eager decode table; got a {self.ragged.mode} {self.ragged.phase} sub-table keyed by "
                              f"{self.ragged.axes}{' with its own sub-table' if self.ragged.ragged else ''} under a "
                              f"{self.mode} {self.phase} table keyed by {self.axes}")
-        points = {b.key: self.point(b.key) for b in self.buckets}
+        points = {b.key: tuple(max(x, 1) for x in self.point(b.key)) for b in self.buckets}  # 0 as 1, as lookups
         values = [sorted({p[i] for p in points.values()}) for i in range(len(points[self.buckets[0].key]))]
         bounds = [[math.sqrt(a * b) for a, b in zip(v, v[1:])] for v in values]
         object.__setattr__(self, "_points", points)  # each bucket's point, once: lookups compare with them
@@ -395,12 +397,10 @@ class DispatchTable:
 
     @classmethod
     def from_json(cls, data: dict) -> "DispatchTable":
-        ragged = data.get("ragged")
-        return cls(data["phase"], data["mode"], tuple(data["axes"]),
-                   tuple(Bucket.from_json(b) for b in data["buckets"]),
-                   data["default"], data["grid_version"], tuple(data.get("skipped", ())), data.get("wall_s"),
-                   pruned=tuple(data.get("pruned", {}).items()),
-                   ragged=cls.from_json(ragged) if ragged else None)
+        buckets = tuple(Bucket.from_json(b) for b in data["buckets"])
+        return cls(data["phase"], data["mode"], tuple(data["axes"]), buckets, data["default"], data["grid_version"],
+                   tuple(data.get("skipped", ())), data.get("wall_s"), pruned=tuple(data.get("pruned", {}).items()),
+                   ragged=cls.from_json(data["ragged"]) if data.get("ragged") else None)
 
 
 def pick(times: dict[str, float], order: list[str], tie: float = TIE) -> str:

@@ -4,6 +4,7 @@ backend without a usable time, or an unclear error (math domain error, TypeError
 import copy
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -93,3 +94,33 @@ def test_a_loaded_bucket_whose_backend_has_no_usable_time_is_named(bad):
                                          r"candidate with a usable time there \(times_us: .*\); a usable time is a "
                                          r"finite number > 0"):
         DispatchTable.from_json(json.loads(json.dumps(data)))
+
+
+def test_buckets_keyed_zero_look_up_as_keyed_one():
+    """Hand-made or loaded tables may key a bucket 0 (rows or context; tests/test_dispatch_blend.py): a shape between
+    it and the next timed value raised "math domain error" on log(0). In the interpolation such a bucket sits at 1,
+    where a lookup's own 0 is read (whether the ragged buckets cover a batch still reads their keys as they are)."""
+    def table(zero):
+        uniform = {**BLEND_UNIFORM, (zero, 512): {"fi": 90.0, "fa3": 80.0}, (128, zero): {"fi": 5.0, "fa3": 9.0}}
+        ragged = {**BLEND_RAGGED, (zero, 512): {"fi": 1.0, "fa3": 2.0}}
+        return build_table(measured(uniform, ragged=ragged), ["fa3", "fi"])
+
+    zero, one = table(0), table(1)
+    for key, longest in (((64, 512), None), ((64, 512), 2000), ((1, 1), None), ((0, 0), None), ((128, 30), None),
+                         ((100, 300), 5000), ((2, 600), 2000), ((3, 512), 1000), ((2, 30), 100)):
+        assert zero.backend_for(key, longest) in ("fa3", "fi")
+        if longest is None or not one.ragged.covers(key, longest):
+            assert zero.backend_for(key, longest) == one.backend_for(key, longest), (key, longest)
+
+
+@pytest.mark.parametrize("bad", [math.nan, None, "128", -5, 2.5, math.inf, True])
+def test_a_loaded_bucket_key_that_is_no_host_int_is_named(bad):
+    """A bucket key of NaN was read (its bounds NaN: lookups from garbage), None or text raised TypeError, a negative
+    entry "math domain error", a float in a ragged key TypeError building the table."""
+    for where in ("buckets", "ragged"):
+        data = build_table(measured(BLEND_UNIFORM, ragged=BLEND_RAGGED), ["fa3", "fi"]).to_json()
+        bucket = (data if where == "buckets" else data["ragged"])["buckets"][0]
+        bucket["key"][0] = bad
+        with pytest.raises(ValueError, match=rf"^bucket {re.escape(bucket['label'])}: key .*: expected one host int "
+                                             r">= 0 per axis"):
+            DispatchTable.from_json(json.loads(json.dumps(data)))
