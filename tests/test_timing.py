@@ -46,12 +46,16 @@ def test_grids_are_coarse_first_and_within_the_caps():
     assert bucket_grid.DECODE_CTX == (288, 544, 1056, 2080, 4128, 8224, 16416)  # half a 64-token tile past a power of 2
     assert {c for lvl, _, c in dec if lvl == 0} == {288, 1056, 4128, 16416}  # every other one and both ends
     base = dict(zip(bucket_grid.DECODE_CTX, bucket_grid.DECODE_CTX_POW2))  # the cap goes by the power of two below
-    assert all(bucket_grid.decode_bytes(spec, b, base[c]) <= bucket_grid.MAX_DECODE_KV_BYTES for _, b, c in dec)
+    assert all(bucket_grid.decode_bytes(spec, b, base.get(c, c)) <= bucket_grid.MAX_DECODE_KV_BYTES for _, b, c in dec)
     # every bucket the power-of-two grid had under the cap is there, 32 tokens on (the review found 64 x 16384,
     # 128 x 8192 and 256 x 4096 pushed over the 4 GiB cap by the half tile)
     pow2 = {(b, p) for b in bucket_grid.DECODE_BATCHES for p in bucket_grid.DECODE_CTX_POW2
             if bucket_grid.decode_bytes(spec, b, p) <= bucket_grid.MAX_DECODE_KV_BYTES}
-    assert {(b, c - bucket_grid.DECODE_TILE_TAIL) for _, b, c in dec} == pow2
+    short = bucket_grid.DECODE_SHORT_CTX
+    assert {(b, c - bucket_grid.DECODE_TILE_TAIL) for _, b, c in dec if c != short} == pow2
+    # and one short context for every batch size, at the finest level (a budget cuts it first); graphs have none
+    assert {(lvl, b) for lvl, b, c in dec if c == short} == {(2, b) for b in bucket_grid.DECODE_BATCHES}
+    assert short < first and all(c != short for _, _, c in bucket_grid.decode_grid(spec, cuda, mode="graph"))
     assert {(64, 16416), (128, 8224), (256, 4128)} <= {(b, c) for _, b, c in dec}
     assert all(sum(lens) <= bucket_grid.MAX_PREFILL_TOKENS for _, lens in bucket_grid.prefill_grid(spec, cuda))
 
@@ -409,8 +413,10 @@ def test_wave_batches_join_the_decode_grids_at_the_finest_level():
         assert {b for _, b, _ in added} == {34, 67, 99, 100}
         assert all(lvl == 2 for lvl, _, _ in added)
         cap = bucket_grid.MAX_DECODE_KV_BYTES
-        assert {(b, c) for _, b, c in added} == {(b, c) for b in (34, 67, 99, 100) for c, p in zip(contexts, bases)
-                                                  if bucket_grid.decode_bytes(spec, b, p) <= cap}
+        short = {(b, bucket_grid.DECODE_SHORT_CTX) for b in (34, 67, 99, 100)} if mode == "eager" else set()
+        assert {(b, c) for _, b, c in added} == short | {(b, c) for b in (34, 67, 99, 100)
+                                                         for c, p in zip(contexts, bases)
+                                                         if bucket_grid.decode_bytes(spec, b, p) <= cap}
         assert sorted(x for x in grid if x[1] in bucket_grid.DECODE_BATCHES) == sorted(plain)  # the rest unchanged
         assert [x for x in grid if x[0] < 2] == [x for x in plain if x[0] < 2]  # coarser levels first, in order
         levels = [lvl for lvl, _, _ in grid]

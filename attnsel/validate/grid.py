@@ -37,6 +37,10 @@ DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256, 3
 DECODE_CTX_POW2 = (256, 512, 1024, 2048, 4096, 8192, 16384)
 DECODE_TILE_TAIL = 32
 DECODE_CTX = tuple(c + DECODE_TILE_TAIL for c in DECODE_CTX_POW2)
+# Below the first one, eager decode times one more context at the finest level, DECODE_SHORT_CTX: a few rows of
+# short chats (contexts under 64) ran 1.05-1.19x slow on FlashInfer's FA3 template, which the grid's first context
+# had pick (see the results file). Graph mode scores a batch size over its contexts and needs none.
+DECODE_SHORT_CTX = 48
 # Ragged decode buckets (eager mode): batches whose rows' contexts follow a serving batch's spread (log-normal,
 # RAGGED_ROW_SIGMA; the longest row 3x the mean at 8 rows, 13x at 512), timed as a sub-table keyed like the uniform
 # one (batch, mean context) and used for batches of similar skew (longest row at least RAGGED_SKEW times the mean)
@@ -169,7 +173,8 @@ def device_sms(device: torch.device) -> int | None:
 def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | None = None,
                 mode: str = "eager", sms: int | None = None) -> list[tuple[int, int, int]]:
     """(level, batch, context length) of the timed decode buckets, coarse grid first (graph mode: the contexts of
-    GRAPH_DECODE_CTX, a bucket's level that of its batch size). A bucket's KV cache (eager: at the power of two
+    GRAPH_DECODE_CTX, a bucket's level that of its batch size; eager: DECODE_CTX and DECODE_SHORT_CTX, the latter at
+    the finest level). A bucket's KV cache (eager: at the power of two
     below its context) is at most MAX_DECODE_KV_BYTES and, given the device's free memory, a sixth of it (the torch
     backend gathers a copy, and a server may select after loading its weights); the cells left out are served by
     their nearest neighbour. ``sms``: the GPU's
@@ -189,6 +194,8 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
                 batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
                 level = batch_level if mode == "graph" else max(batch_level, _level(base, bases))
                 grid.append((level, b, c))
+        if mode != "graph":
+            grid.append((2, b, DECODE_SHORT_CTX))
     return _coarse_first(grid)
 
 

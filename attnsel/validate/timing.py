@@ -73,7 +73,7 @@ from .race import Race
 log = logging.getLogger(__name__)
 AXES = {"prefill": PREFILL_AXES, "decode": DECODE_AXES, "extend": EXTEND_AXES}
 
-GRID_VERSION = 16  # part of the dispatch-table cache key: bump when the grid or the timing rules change
+GRID_VERSION = 17  # part of the dispatch-table cache key: bump when the grid or the timing rules change
 REPS = 7  # samples per candidate and bucket under CUDA graphs
 REPS_EAGER = 21  # eager (host-bound calls are noisier): see the module doc
 PRUNE = 1.3  # a candidate this much slower than the fastest in every coarse bucket skips the finer levels
