@@ -43,6 +43,8 @@ POLICIES = ("measure", "priority")
 MODES = ("eager", "graph")
 # flashinfer_fa2 (FlashInfer's FA2 template) is a prefill candidate: on short prompts (up to a few hundred tokens
 # a batch) it was the fastest backend, up to 2.7x ahead of the others (results file, "Held-out prefill and decode");
+# and an extend candidate: on multi-token decode and short chunks it led FA3's variants by up to 1.46x (results
+# file, "The extend phase");
 # flashinfer_fa3 (FlashInfer's FA3 template) is a decode candidate: the fastest on batches of 1-6 rows, 5-20% ahead.
 # Each is a further JIT build (about two minutes on a fresh machine) in validation, not timing.
 # flashinfer_xqa is opt-in: it wins small uniform CUDA-graph decode buckets but splits every row alike, so a
@@ -51,7 +53,7 @@ MODES = ("eager", "graph")
 DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {
     "prefill": ("fa3", "flashinfer", "fa3_split", "fa3_packgqa", "flashinfer_fa2", "triton", "torch"),
     "decode": ("flashinfer", "flashinfer_cuda_cores", "fa3", "fa3_packgqa", "triton", "flashinfer_fa3", "torch"),
-    "extend": ("fa3", "flashinfer", "triton", "fa3_split", "fa3_packgqa", "torch"),
+    "extend": ("fa3", "flashinfer", "triton", "fa3_split", "fa3_packgqa", "flashinfer_fa2", "torch"),
 }
 
 

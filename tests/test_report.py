@@ -6,6 +6,7 @@ import json
 import pytest
 
 from attnsel.cli import main
+from attnsel.selection import DEFAULT_PRIORITY
 from attnsel.validate import timing
 
 SMALL = ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "fp16"]
@@ -61,7 +62,8 @@ def test_report_fits_80_columns_with_a_40_line_reason(capsys, monkeypatch):
     assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
     # every candidate is one table row; the stack is one summary line
     rows = [line for line in lines if line.startswith("│")]
-    assert len(rows) == 4 + 7  # prefill and decode: 2 each; extend: the default candidates
+    # prefill and decode: 2 each; extend: the default candidates and the plugin
+    assert len(rows) == 4 + len(DEFAULT_PRIORITY["extend"]) + 1
     summary = [line for line in lines if "stacky: Fatal" in line]  # (extend: stacky has no plan_extend)
     assert len(summary) == 1 and "Fatal Python error: Segmentation fault (+39 lines: --json)" in summary[0]
     assert "launch_30" not in out
