@@ -13,6 +13,7 @@ import json
 import logging
 import shlex
 import time
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -53,7 +54,8 @@ def draw(spec: AttentionSpec, modes: list[str], seed: int, counts: dict, sms: in
 
 def evaluate_spec(spec: AttentionSpec, names: list[str], modes: list[str], seed: int, counts: dict,
                   device: torch.device, probe: dict, sms: int | None, repeats: int,
-                  selections: list[dict], phases: tuple[str, ...] = PHASES, priority: dict | None = None
+                  selections: list[dict], phases: tuple[str, ...] = PHASES, priority: dict | None = None,
+                  timed: Callable[[list[bench.Cell], dict], None] | None = None
                   ) -> tuple[list[bench.Cell], dict, list[dict]]:
     """Time ``spec``'s held-out cells, select per mode (records appended to ``selections``) and compare: returns the
     timed cells, the validity checks and one comparison row per cell with a time (bench.compare's, plus the
@@ -64,6 +66,8 @@ def evaluate_spec(spec: AttentionSpec, names: list[str], modes: list[str], seed:
         spec, names, modes, False, device, probe, log.info, repeats,
         grid=lambda phase, mode: [(label, c.key, c.shape, _work(spec, c)) for label, c in drawn[(phase, mode)]],
         phases=phases)
+    if timed is not None:  # the cells' times before the selection (minutes): a run cut short there keeps them
+        timed(cells, checks)
     choices = bench.select_modes(spec, modes, device, selections, phases, priority)
     by_label = {(phase, mode, label): c for (phase, mode), items in drawn.items() for label, c in items}
     graph_batches = bench_cells.timed_batches(spec, "graph", sms)
@@ -132,25 +136,33 @@ def run_heldout(specs: list[AttentionSpec], names: list[str] | None, mode: str, 
             "date": started.isoformat(timespec="seconds"), "sampler": sampler_settings()}
     cells, checks, rows, selections, summary = [], {}, [], [], []
     t0 = time.perf_counter()
-    for spec in specs:
-        spec_cells, spec_checks, spec_rows = evaluate_spec(spec, names, modes, seed, counts, device, probe, sms,
-                                                           repeats, selections, phases, priority)
-        cells += spec_cells
-        checks[json.dumps(spec.to_dict(), sort_keys=True)] = spec_checks
-        rows += spec_rows
-        bench_stats.batch_bound(rows)
-        summary = bench_stats.summarise(rows, seed)  # written after every spec: a run cut short keeps what it did
-        header = (f"# attnsel bench --heldout {seed} on {meta['device'].get('gpu')} ({started:%Y-%m-%d}), "
-                  f"{repeats} pass(es), " + ", ".join(f"{counts[p]} {p}" for p in phases) + " cells per spec and "
-                  f"mode\n\n`{meta['command']}`. Within 3%: share of cells where the strategy's pick is at most 1.03x "
-                  "the cell's fastest valid backend; intervals: 95% bootstrap over the cells. batch bound (graph "
-                  "decode): the best single backend per batch size, chosen afterwards from these cells' times.")
+    header = (f"# attnsel bench --heldout {seed} on {meta['device'].get('gpu')} ({started:%Y-%m-%d}), "
+              f"{repeats} pass(es), " + ", ".join(f"{counts[p]} {p}" for p in phases) + " cells per spec and "
+              f"mode\n\n`{meta['command']}`. Within 3%: share of cells where the strategy's pick is at most 1.03x "
+              "the cell's fastest valid backend; intervals: 95% bootstrap over the cells. batch bound (graph "
+              "decode): the best single backend per batch size, chosen afterwards from these cells' times.")
+
+    def write(all_cells: list[bench.Cell], all_checks: dict) -> None:
+        """heldout.md and .json as they stand: rewritten after each spec's cells are timed and after its
+        selection, so a run cut short keeps what it did (a spec's cells without rows: timed, not yet judged)."""
         bench._write(out_dir / "heldout.md", markdown(summary, header) + "\n\n" +
-                     bench.markdown(cells, probe, rows, bench.summarise(rows), "## Cells"))
+                     bench.markdown(all_cells, probe, rows, bench.summarise(rows), "## Cells"))
         bench._write(out_dir / "heldout.json", json.dumps(
-            {"heldout": meta, "probe": probe, "checks": checks, "cells": [dataclasses.asdict(c) for c in cells],
+            {"heldout": meta, "probe": probe, "checks": all_checks, "cells": [dataclasses.asdict(c) for c in all_cells],
              "comparison": rows, "summary": summary, "selections": selections, "repeats": repeats,
              "wall_s": time.perf_counter() - t0}, indent=1))
+
+    for spec in specs:
+        key = json.dumps(spec.to_dict(), sort_keys=True)
+        spec_cells, spec_checks, spec_rows = evaluate_spec(
+            spec, names, modes, seed, counts, device, probe, sms, repeats, selections, phases, priority,
+            timed=lambda timed_cells, timed_checks: write(cells + timed_cells, {**checks, key: timed_checks}))
+        cells += spec_cells
+        checks[key] = spec_checks
+        rows += spec_rows
+        bench_stats.batch_bound(rows)
+        summary = bench_stats.summarise(rows, seed)
+        write(cells, checks)
     console.print(summary_table(summary, f"attnsel bench --heldout {seed}: {len(rows)} cells, {len(specs)} spec(s), "
                                          f"{time.perf_counter() - t0:.0f} s on {meta['device'].get('gpu')}; time over "
                                          f"the cell's fastest; all rows in {out_dir / 'heldout.md'}"))

@@ -353,6 +353,47 @@ def test_heldout_plumbing_end_to_end_on_cpu(monkeypatch, tmp_path):
     assert "within 3% [95% CI]" in shown and "batch bound" in shown and "40/8 d64 fp16" in shown
 
 
+def test_a_run_cut_during_a_selection_keeps_that_specs_timed_cells(monkeypatch, tmp_path):
+    """The device's time limit can end a run while a spec's selection (minutes) runs: heldout.json then holds the
+    finished specs' rows and that spec's timed cells (no rows: nothing to judge them by), as rewritten after its
+    cells were timed."""
+
+    class Cut(BaseException):  # the kill at the limit: nothing after it runs
+        pass
+
+    specs = [AttentionSpec(32, 8, 128), AttentionSpec(8, 1, 128)]
+    monkeypatch.setattr(bench, "setup", lambda names, mode, out: (torch.device("cpu"), names, ["eager"], tmp_path,
+                                                                   {"copy_tbps": 1.0, "read_tbps": 1.0}))
+    monkeypatch.setattr(bench_heldout, "fingerprint", lambda device: {"gpu": "fake"})
+    monkeypatch.setattr(bench, "valid_backends", lambda spec, phase, names, device: {n: "" for n in names})
+    monkeypatch.setattr(bench.timing, "time_bucket", lambda cands, spec, phase, shape, device, mode, reps: {
+        "us": {"torch": _fake_us(shape)["a"], "triton": _fake_us(shape)["b"]}, "spread": {}, "errors": {}})
+
+    def table(phase):
+        keys = [(1, 1000, 1000), (8, 64000, 8000)] if phase == "prefill" else [(1, 256), (64, 16384)]
+        cells = {k: {"torch": _fake_us([k[1]] if phase == "prefill" else k)["a"],
+                     "triton": _fake_us([k[1]] if phase == "prefill" else k)["b"]} for k in keys}
+        return build_table(measured(phase, "eager", cells), ["triton", "torch"])
+
+    def select_modes(spec, modes, device, records, phases, priority):
+        if spec.num_kv_heads == 1:
+            raise Cut()
+        records.append({"spec": spec.to_dict(), "mode": "eager"})
+        return {"eager": Selection(spec, {p: PhaseChoice("torch", "auto", [], table(p)) for p in phases},
+                                   "measure", "eager", "off", {}, {})}
+
+    monkeypatch.setattr(bench, "select_modes", select_modes)
+    with pytest.raises(Cut):
+        bench_heldout.run_heldout(specs, ["torch", "triton"], "eager", str(tmp_path), 5,
+                                  {"prefill": 2, "decode": 3}, Console(record=True))
+    data = json.loads((tmp_path / "heldout.json").read_text())
+    kv_heads = [c["spec"]["num_kv_heads"] for c in data["cells"]]
+    assert kv_heads.count(8) == kv_heads.count(1) == 2 * (2 + 3)  # both specs' cells, each backend's time
+    assert {r["spec"] for r in data["comparison"]} == {"32/8"} and len(data["comparison"]) == 2 + 3
+    assert len(data["checks"]) == 2 and len(data["selections"]) == 1
+    assert "8/1" in (tmp_path / "heldout.md").read_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_heldout_run_on_the_gpu(capsys, monkeypatch, tmp_path):
