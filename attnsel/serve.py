@@ -181,9 +181,11 @@ def cmd_serve(args: argparse.Namespace, out) -> int:
 
     from .integrations import hf
 
+    extend = {} if args.extend is None else {"extend": args.extend}  # None: the environment's choice, else auto
     registered = hf.register(args.prefill, args.decode, policy=args.policy, mode=args.mode,
                              prefill_priority=args.prefill_priority, decode_priority=args.decode_priority,
-                             timeout=args.timeout, cache_dir=args.cache_dir, use_cache=not args.no_cache)
+                             extend_priority=args.extend_priority, timeout=args.timeout, cache_dir=args.cache_dir,
+                             use_cache=not args.no_cache, **extend)
     impl = implementation(args.continuous_batching, registered)
     device = args.device or default_device()
     kinds = start_selections(model_dir, impl, DTYPES[args.dtype], device)
