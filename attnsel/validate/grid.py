@@ -194,7 +194,7 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
                 batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
                 level = batch_level if mode == "graph" else max(batch_level, _level(base, bases))
                 grid.append((level, b, c))
-        if mode != "graph":
+        if mode != "graph" and decode_bytes(spec, b, DECODE_SHORT_CTX) <= cap:
             grid.append((2, b, DECODE_SHORT_CTX))
     return _coarse_first(grid)
 
