@@ -3,7 +3,8 @@
 Variants are separate candidates because their speed differs by shape (see the results file):
 ``flashinfer`` (prefill and extend: FlashInfer's own template choice, its FA3 template on Hopper, FA2 with an fp8
 cache; decode: tensor-core kernels), ``flashinfer_cuda_cores`` (decode on CUDA cores), ``flashinfer_fa2`` (prefill and
-extend on the FA2 template, Hopper only: below Hopper it is what ``flashinfer`` runs), ``flashinfer_fa3`` (tensor-core
+extend on the FA2 template, Hopper only: below Hopper, and in extend with an fp8 cache, it is what ``flashinfer``
+runs), ``flashinfer_fa3`` (tensor-core
 decode on the FA3 template, Hopper only).
 Extend (ragged queries over the paged cache) runs BatchPrefillWithPagedKVCacheWrapper: qo_indptr = cu_seqlens_q, the
 page table in CSR form, causal (FlashInfer aligns bottom-right by each row's lengths). A row without keys is planned
@@ -269,6 +270,9 @@ class FlashInferBackend:
             why = (f"below Hopper this variant is what {self.same_as} runs" if self.prefill_template == "fa2"
                    else "FlashInfer's FA3 template runs on Hopper only")
             reasons.append(need and f"{need}: {why}")
+            if self.prefill_template == "fa2" and phase == "extend" and spec.kv_dtype is not None:
+                reasons.append(f"with an fp8 KV cache FlashInfer's own template choice is FA2: in extend this variant "
+                               f"is what {self.same_as} runs")
         else:
             reasons.append(capability_reason(">= 8.0", lambda cap: cap >= (8, 0), device))
         reasons.append(dtype_reason(spec))
