@@ -12,7 +12,8 @@ from ..spec import AttentionSpec
 from .inputs import cumulative
 
 ROTATE_L2 = 2.0  # input sets of a bucket total at least this many times the L2 size
-MAX_SETS = 4096  # enough for the smallest bucket (one 18-token prompt of 8/1 heads: 46 KB a set)
+MAX_SETS = 4096  # enough for one 18-token prompt of 8/1 heads (46 KB a set); the shortest decode buckets of one
+# KV head (48 tokens, fp8 or head_dim 64: ~14 KB a set) rotate through less than 2x L2, where calls are launch-bound
 DEFAULT_L2_BYTES = 50 << 20  # an H200's L2; used when the device does not report its L2 size
 
 # Timed representatives (bucket centres). Buckets are the cells between the geometric midpoints of neighbouring
