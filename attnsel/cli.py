@@ -75,8 +75,8 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
 
     opt_in = [n for n in backends.BUILTINS if not any(n in DEFAULT_PRIORITY[ph] for ph in DEFAULT_PRIORITY)]
     g = p.add_argument_group("selection", f"built-in backends: {', '.join(backends.BUILTINS)}. 'auto' "
-                                          f"tries all but {', '.join(opt_in)} (opt-in: name them in "
-                                          "--prefill-priority/--decode-priority or as the backend). Plugins from "
+                                          f"tries all but {', '.join(opt_in)} (opt-in: name it in a "
+                                          "--PHASE-priority list or as the backend). Plugins from "
                                           "$ATTNSEL_BACKENDS or entry points add theirs; `attnsel report` shows the "
                                           "candidates of a selection")
     g.add_argument(*BACKEND_FLAGS["prefill"], dest="prefill",

@@ -36,7 +36,7 @@ def test_extend_limits_are_named(hopper_with_libraries, monkeypatch):
     assert "trtllm-gen" in _reason("flashinfer_fa2", sinks=True)
     for name in ("flashinfer_cuda_cores", "flashinfer_fa3"):
         assert _reason(name).startswith("this variant differs from flashinfer only in decode")
-    assert "is what flashinfer runs" in _reason("flashinfer_fa2", kv_dtype="fp8_e4m3")
+    assert "is the kernel flashinfer runs" in _reason("flashinfer_fa2", kv_dtype="fp8_e4m3")
     monkeypatch.setitem(FA3_FLAGS, "FLASHATTENTION_DISABLE_PAGEDKV", True)
     assert "compiled with FLASHATTENTION_DISABLE_PAGEDKV: extend needs it" in _reason("fa3")
     assert "PAGEDKV" not in (get("fa3").unsupported(AttentionSpec(32, 8, 128), "prefill") or "")

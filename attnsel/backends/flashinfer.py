@@ -267,12 +267,12 @@ class FlashInferBackend:
                    else "flashinfer is not installed (pip install flashinfer-python)"]
         if self.hopper_only:
             need = capability_reason("9.x (Hopper)", lambda cap: cap[0] == 9, device)
-            why = (f"below Hopper this variant is what {self.same_as} runs" if self.prefill_template == "fa2"
+            why = (f"below Hopper {self.same_as} runs this same FA2 kernel" if self.prefill_template == "fa2"
                    else "FlashInfer's FA3 template runs on Hopper only")
             reasons.append(need and f"{need}: {why}")
             if self.prefill_template == "fa2" and phase == "extend" and spec.kv_dtype is not None:
                 reasons.append(f"with an fp8 KV cache FlashInfer's own template choice is FA2: in extend this variant "
-                               f"is what {self.same_as} runs")
+                               f"is the kernel {self.same_as} runs")
         else:
             reasons.append(capability_reason(">= 8.0", lambda cap: cap >= (8, 0), device))
         reasons.append(dtype_reason(spec))
