@@ -5,6 +5,8 @@ fp8_e4m3); with ``--config CFG.json --kind KIND`` the spec of that layer kind of
 module's build is mostly one single-threaded compiler job. A backend that cannot serve the spec (its reason) is
 skipped, not an error.
 
+PHASE: prefill, decode or extend (new tokens over a paged prefix: the validation's extend case).
+
 Usage (device): python3 scripts/gpu_prebuild.py flashinfer:bf16:decode flashinfer_cuda_cores:fp8_e4m3:decode
                 python3 scripts/gpu_prebuild.py --config examples/configs/gemma-3-1b.json --kind full_attention \
                     flashinfer:bf16:prefill
@@ -26,6 +28,7 @@ from attnsel.backends import get  # noqa: E402
 from attnsel.bench_args import parse_specs  # noqa: E402
 from attnsel.errors import InvalidArgument  # noqa: E402
 from attnsel.spec import AttentionSpec, layer_specs  # noqa: E402
+from attnsel.validate.cases import check_output, make_case, run_case  # noqa: E402
 from tests.fixtures.feature_cases import decode_case, prefill_case  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,14 +60,20 @@ for arg in args.modules:
     if reason:
         print(f"{arg} on {spec.describe()}: skipped ({reason})", flush=True)
         continue
-    dev = torch.device("cuda")
-    case = (decode_case(spec, dev, [17, 300]) if phase == "decode"
-            else prefill_case(spec, dev, [13, 97], [13, 97]))
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: torch only (a check of this script)
     t0 = time.perf_counter()
-    err = case.error(case.run(get(name), spec))
-    print(f"{arg} on {spec.describe()}: built and ran in {time.perf_counter() - t0:.1f} s, max abs error {err:.3g} "
-          f"(tolerance {case.tolerance(spec):.3g})", flush=True)
-    if not err <= case.tolerance(spec):  # NaN included
+    if phase == "extend":  # the validation's own ragged extend case (queries over a paged prefix)
+        case = make_case(spec, "extend", dev)
+        result = check_output(spec, run_case(get(name), spec, case), case)
+        err, tol, ok = result.get("max_abs_err"), result.get("tolerance"), result["status"] == "valid"
+    else:
+        case = (decode_case(spec, dev, [17, 300]) if phase == "decode"
+                else prefill_case(spec, dev, [13, 97], [13, 97]))
+        err, tol = case.error(case.run(get(name), spec)), case.tolerance(spec)
+        ok = err <= tol  # NaN fails
+    print(f"{arg} on {spec.describe()}: built and ran in {time.perf_counter() - t0:.1f} s, max abs error "
+          f"{err if err is None else f'{err:.3g}'} (tolerance {tol if tol is None else f'{tol:.3g}'})", flush=True)
+    if not ok:
         failed.append(arg)
 if failed:
     sys.exit(f"over tolerance or not finite: {', '.join(failed)}")
