@@ -10,7 +10,7 @@ from .errors import InvalidArgument
 from .selection import MODES
 from .spec import DTYPES, AttentionSpec, SpecError, short_dtype_name
 
-SPEC_FORMAT = "Q/KV[/HEAD_DIM][/DTYPE]"
+SPEC_FORMAT = "Q/KV[/HEAD_DIM][/DTYPE][/pPAGE]"
 
 
 def comma_names(text: str) -> list[str]:
@@ -34,8 +34,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "adds how often the first pass's fastest stays within 3%% in the later ones (default 1)")
     add_priority_args(p, " (default attnsel's; name an opt-in backend to judge it)")
     p.add_argument("--specs", metavar=f"{SPEC_FORMAT},...",
-                   help="the specs to bench instead of the default ones, e.g. 32/8,40/8/128,32/8/64/fp16 (head_dim "
-                        "128 and bf16 unless given; page size from --page-size, default 16)")
+                   help="the specs to bench instead of the default ones, e.g. 32/8,40/8/128,32/8/64/fp16,32/8/p1 "
+                        "(head_dim 128 and bf16 unless given; page size from a pPAGE field, else --page-size, "
+                        "default 16)")
     g = p.add_argument_group("held-out evaluation", "judge the dispatch on cells drawn at random (prefill: 1-64 "
                              "prompts of 16-32768 tokens, 65536 at most in all; decode: batches of 1-512, heavy-tailed "
                              "contexts of 16-32768, 2^20 KV tokens at most; ragged and uniform), none on the timed "
@@ -82,26 +83,37 @@ def parse_phases(names: list[str] | None, default: tuple[str, ...]) -> tuple[str
 
 
 def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
-    """Comma-separated ``Q/KV[/HEAD_DIM][/DTYPE]`` items (head_dim 128, bf16 unless given)."""
+    """Comma-separated ``Q/KV[/HEAD_DIM][/DTYPE][/pPAGE]`` items (head_dim 128, bf16 unless given; the page size
+    from an item's pPAGE field, else ``page_size``, else 16), so that one run can cover several page sizes."""
     specs = []
     for item in (i.strip() for i in text.split(",")):
         fields = item.split("/")
         try:
-            if not 2 <= len(fields) <= 4 or not all(re.fullmatch(r"[0-9]+", f) for f in fields[:2]):
+            if len(fields) < 2 or not all(re.fullmatch(r"[0-9]+", f) for f in fields[:2]):
                 raise SpecError("expected Q/KV heads first")
-            head_dim, dtype = 128, "bf16"
+            if len(fields) > 5:
+                raise SpecError(f"{len(fields)} fields, at most 5")
+            given = {"head_dim": 128, "dtype": "bf16", "page_size": 16 if page_size is None else page_size}
+            seen = set()
             for extra in fields[2:]:
                 if re.fullmatch(r"[0-9]+", extra):
-                    head_dim = int(extra)
+                    field, value = "head_dim", int(extra)
+                elif re.fullmatch(r"p[0-9]+", extra):
+                    field, value = "page_size", int(extra[1:])
                 elif short_dtype_name(extra) in DTYPES:
-                    dtype = short_dtype_name(extra)
+                    field, value = "dtype", short_dtype_name(extra)
                 else:
-                    raise SpecError(f"{extra!r} is neither a head_dim nor a dtype ({', '.join(DTYPES)})")
-            specs.append(AttentionSpec(int(fields[0]), int(fields[1]), head_dim, dtype,
-                                       16 if page_size is None else page_size))
+                    raise SpecError(f"{extra!r} is neither a head_dim, a dtype ({', '.join(DTYPES)}) nor a page "
+                                    "size (p1, p16, ...)")
+                if field in seen:
+                    raise SpecError(f"{field} given twice")
+                seen.add(field)
+                given[field] = value
+            specs.append(AttentionSpec(int(fields[0]), int(fields[1]), given["head_dim"], given["dtype"],
+                                       given["page_size"]))
         except SpecError as exc:
-            raise InvalidArgument(f"--specs item {item!r}: {exc}; each item is {SPEC_FORMAT}, e.g. 32/8 or 32/8/64/fp16"
-                             ) from None
+            raise InvalidArgument(f"--specs item {item!r}: {exc}; each item is {SPEC_FORMAT}, e.g. 32/8, 32/8/64/fp16 "
+                                  "or 32/8/p1") from None
     return specs
 
 

@@ -224,10 +224,13 @@ def test_summary_groups_specs_all_and_untimed_graph_batches():
     (["--cells", "4"], "--cells sets the held-out cells per phase: give --heldout SEED too"),
     (["--heldout", "1", "--quick"], "--quick picks the fixed grid's smaller set; with --heldout set the cells with "
                                     "--cells"),
-    (["--specs", "32/x"], "--specs item '32/x': expected Q/KV heads first; each item is Q/KV[/HEAD_DIM][/DTYPE], "
-                          "e.g. 32/8 or 32/8/64/fp16"),
-    (["--specs", "32/8/int4"], "--specs item '32/8/int4': 'int4' is neither a head_dim nor a dtype (bf16, fp16, "
-                               "fp32)"),
+    (["--specs", "32/x"], "--specs item '32/x': expected Q/KV heads first; each item is "
+                          "Q/KV[/HEAD_DIM][/DTYPE][/pPAGE], e.g. 32/8, 32/8/64/fp16 or 32/8/p1"),
+    (["--specs", "32/8/int4"], "--specs item '32/8/int4': 'int4' is neither a head_dim, a dtype (bf16, fp16, "
+                               "fp32) nor a page size (p1, p16, ...)"),
+    (["--specs", "32/8/p0"], "--specs item '32/8/p0': page_size must be a positive integer, got 0"),
+    (["--specs", "32/8/p1/p16"], "--specs item '32/8/p1/p16': page_size given twice"),
+    (["--specs", "32/8/64/bf16/p1/p2"], "--specs item '32/8/64/bf16/p1/p2': 6 fields, at most 5"),
     (["--specs", "32/5"], "--specs item '32/5': num_q_heads (32) must be a multiple of num_kv_heads (5)"),
     (["--specs", "32/8", "--num-heads", "4"], "--specs gives each spec's heads, head_dim and dtype; it does not go "
                                               "with --num-heads (use one or the other)"),
@@ -235,6 +238,16 @@ def test_summary_groups_specs_all_and_untimed_graph_batches():
 def test_bad_heldout_flags_exit_2_with_the_reason(capsys, argv, message):
     code, out, err = run(capsys, "bench", *argv)
     assert code == 2 and message in err and err.startswith("attnsel: error: ")
+
+
+def test_a_specs_item_may_carry_its_page_size():
+    from attnsel.bench_args import parse_specs
+    one, wide, default, flag = parse_specs("32/8/p1, 32/8/64/fp16/p64, 8/1, 28/4/p16", 32)
+    assert (one.page_size, one.head_dim, one.dtype) == (1, 128, "bf16")
+    assert (wide.page_size, wide.head_dim, wide.dtype) == (64, 64, "fp16")
+    assert default.page_size == 32 and flag.page_size == 16  # --page-size unless the item names one
+    assert parse_specs("32/8", None)[0].page_size == 16
+    assert bench.spec_label(one) == "32/8 page 1" and bench.spec_label(default) == "8/1 page 32"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
