@@ -11,7 +11,7 @@ Usage (device): python3 scripts/gpu_prebuild.py flashinfer:bf16:decode flashinfe
                 python3 scripts/gpu_prebuild.py --config examples/configs/gemma-3-1b.json --kind full_attention \
                     flashinfer:bf16:prefill
                 python3 scripts/gpu_prebuild.py --spec 32/8/64/fp16 flashinfer:bf16:prefill   (a --specs item of
-                    `attnsel bench`: its head_dim and dtype; KV bf16 then means the spec's own dtype)
+                    `attnsel bench`: its head_dim, dtype and page size; KV bf16 then means the spec's own dtype)
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnsel.backends import get  # noqa: E402
-from attnsel.bench_args import parse_specs  # noqa: E402
+from attnsel.bench_args import SPEC_FORMAT, parse_specs  # noqa: E402
 from attnsel.errors import InvalidArgument  # noqa: E402
 from attnsel.spec import AttentionSpec, layer_specs  # noqa: E402
 from attnsel.validate.cases import check_output, make_case, run_case  # noqa: E402
@@ -35,13 +35,13 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("modules", nargs="+", metavar="NAME:KV:PHASE")
 parser.add_argument("--config", help="a Hugging Face config.json: take the spec of one of its layer kinds")
 parser.add_argument("--kind", default="full_attention", help="the layer kind of --config (default full_attention)")
-parser.add_argument("--spec", help="Q/KV[/HEAD_DIM][/DTYPE] as `attnsel bench --specs` takes one (default 32/8)")
+parser.add_argument("--spec", help=f"{SPEC_FORMAT} as `attnsel bench --specs` takes one (default 32/8)")
 args = parser.parse_args()
 base = AttentionSpec(32, 8, 128, "bf16", 16)
 if args.spec and args.config:
     parser.error("--spec and --config both give the spec: pass one")
 if args.spec and "," in args.spec:
-    parser.error(f"--spec {args.spec}: one Q/KV[/HEAD_DIM][/DTYPE] item (gpu-bench runs one build per item)")
+    parser.error(f"--spec {args.spec}: one {SPEC_FORMAT} item (gpu-bench runs one build per item)")
 if args.spec:
     try:
         (base,) = parse_specs(args.spec, None)
@@ -66,14 +66,17 @@ for arg in args.modules:
         case = make_case(spec, "extend", dev)
         result = check_output(spec, run_case(get(name), spec, case), case)
         err, tol, ok = result.get("max_abs_err"), result.get("tolerance"), result["status"] == "valid"
+        why = "" if ok else f": {result['status']}: {result.get('reason') or 'no reason given'}"
     else:
         case = (decode_case(spec, dev, [17, 300]) if phase == "decode"
                 else prefill_case(spec, dev, [13, 97], [13, 97]))
         err, tol = case.error(case.run(get(name), spec)), case.tolerance(spec)
         ok = err <= tol  # NaN fails
-    print(f"{arg} on {spec.describe()}: built and ran in {time.perf_counter() - t0:.1f} s, max abs error "
-          f"{err if err is None else f'{err:.3g}'} (tolerance {tol if tol is None else f'{tol:.3g}'})", flush=True)
+        why = ""
+    # a rejection need not carry numbers (changed inputs, a shape, a rerun difference): its reason then says why
+    numbers = "" if err is None else f", max abs error {err:.3g}" + ("" if tol is None else f" (tolerance {tol:.3g})")
+    print(f"{arg} on {spec.describe()}: built and ran in {time.perf_counter() - t0:.1f} s{numbers}{why}", flush=True)
     if not ok:
         failed.append(arg)
 if failed:
-    sys.exit(f"over tolerance or not finite: {', '.join(failed)}")
+    sys.exit(f"over tolerance, not finite or rejected: {', '.join(failed)}")
