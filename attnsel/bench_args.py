@@ -85,6 +85,8 @@ def parse_phases(names: list[str] | None, default: tuple[str, ...]) -> tuple[str
 def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
     """Comma-separated ``Q/KV[/HEAD_DIM][/DTYPE][/pPAGE]`` items (head_dim 128, bf16 unless given; the page size
     from an item's pPAGE field, else ``page_size``, else 16), so that one run can cover several page sizes."""
+    if page_size is not None and page_size < 1:  # --page-size's fault, not that of the items that take it
+        raise InvalidArgument(f"--page-size must be a positive integer, got {page_size}")
     specs = []
     for item in (i.strip() for i in text.split(",")):
         fields = item.split("/")
