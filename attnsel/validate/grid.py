@@ -185,18 +185,18 @@ def decode_grid(spec: AttentionSpec, device: torch.device, free_bytes: int | Non
     cap = MAX_DECODE_KV_BYTES if free_bytes is None else min(MAX_DECODE_KV_BYTES, free_bytes // 6)
     # each context with its power of two (eager: 32 tokens below it), which the levels and the cap go by: the half
     # tile (under 1%) would push every bucket that sits exactly at the 4 GiB cap out of the grid (64 x 16384, ...)
-    contexts, bases = (GRAPH_DECODE_CTX, GRAPH_DECODE_CTX) if mode == "graph" else (DECODE_CTX, DECODE_CTX_POW2)
+    # (context, its base, the context's level): graph mode goes by a batch size's level only (its table scores each
+    # batch size over all its contexts); eager's short context is at the finest level
+    if mode == "graph":
+        columns = [(c, c, 0) for c in GRAPH_DECODE_CTX]
+    else:
+        columns = [(c, base, _level(base, DECODE_CTX_POW2)) for c, base in zip(DECODE_CTX, DECODE_CTX_POW2)]
+        columns.append((DECODE_SHORT_CTX, DECODE_SHORT_CTX, 2))
     waves = wave_batches(spec, sms)
     grid = []
     for b in sorted(DECODE_BATCHES + tuple(waves)):
-        for c, base in zip(contexts, bases):
-            if decode_bytes(spec, b, base) <= cap:
-                # graph mode: a batch size's level only (its table scores each batch size over all its contexts)
-                batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
-                level = batch_level if mode == "graph" else max(batch_level, _level(base, bases))
-                grid.append((level, b, c))
-        if mode != "graph" and decode_bytes(spec, b, DECODE_SHORT_CTX) <= cap:
-            grid.append((2, b, DECODE_SHORT_CTX))
+        batch_level = 2 if b in waves else _level(b, DECODE_BATCHES)
+        grid += [(max(batch_level, level), b, c) for c, base, level in columns if decode_bytes(spec, b, base) <= cap]
     return _coarse_first(grid)
 
 
