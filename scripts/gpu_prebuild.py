@@ -1,11 +1,11 @@
-"""Build FlashInfer's JIT modules before a timed run: each argument NAME:KV:PHASE runs that backend once on a small
-case, checked against the float32 reference. The spec: 32/8 heads, head_dim 128, bf16, page 16 (KV: bf16 or
-fp8_e4m3); with ``--config CFG.json --kind KIND`` the spec of that layer kind of a Hugging Face config instead
+"""Build FlashInfer's JIT modules before a timed run: each argument NAME:KV:PHASE runs that backend once on the
+validation's ragged case of the phase, judged row by row against the float32 reference. The spec: 32/8 heads,
+head_dim 128, bf16, page 16 (KV: bf16 or fp8_e4m3); with ``--config CFG.json --kind KIND`` the spec of that layer kind of a Hugging Face config instead
 (``attnsel.spec.layer_specs``; KV fp8_e4m3 makes its cache fp8). Run several of these processes at once: each
 module's build is mostly one single-threaded compiler job. A backend that cannot serve the spec (its reason) is
 skipped, not an error.
 
-PHASE: prefill, decode or extend (new tokens over a paged prefix: the validation's extend case).
+PHASE: prefill, decode or extend (new tokens over a paged prefix).
 
 Usage (device): python3 scripts/gpu_prebuild.py flashinfer:bf16:decode flashinfer_cuda_cores:fp8_e4m3:decode
                 python3 scripts/gpu_prebuild.py --config examples/configs/gemma-3-1b.json --kind full_attention \
@@ -29,7 +29,6 @@ from attnsel.bench_args import SPEC_FORMAT, parse_specs  # noqa: E402
 from attnsel.errors import InvalidArgument  # noqa: E402
 from attnsel.spec import AttentionSpec, layer_specs  # noqa: E402
 from attnsel.validate.cases import check_output, make_case, run_case  # noqa: E402
-from tests.fixtures.feature_cases import decode_case, prefill_case  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("modules", nargs="+", metavar="NAME:KV:PHASE")
@@ -62,17 +61,10 @@ for arg in args.modules:
         continue
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: torch only (a check of this script)
     t0 = time.perf_counter()
-    if phase == "extend":  # the validation's own ragged extend case (queries over a paged prefix)
-        case = make_case(spec, "extend", dev)
-        result = check_output(spec, run_case(get(name), spec, case), case)
-        err, tol, ok = result.get("max_abs_err"), result.get("tolerance"), result["status"] == "valid"
-        why = "" if ok else f": {result['status']}: {result.get('reason') or 'no reason given'}"
-    else:
-        case = (decode_case(spec, dev, [17, 300]) if phase == "decode"
-                else prefill_case(spec, dev, [13, 97], [13, 97]))
-        err, tol = case.error(case.run(get(name), spec)), case.tolerance(spec)
-        ok = err <= tol  # NaN fails
-        why = ""
+    case = make_case(spec, phase, dev)  # the validation's own ragged case of the phase, judged row by row
+    result = check_output(spec, run_case(get(name), spec, case), case)
+    err, tol, ok = result.get("max_abs_err"), result.get("tolerance"), result["status"] == "valid"
+    why = "" if ok else f": {result['status']}: {result.get('reason') or 'no reason given'}"
     # a rejection need not carry numbers (changed inputs, a shape, a rerun difference): its reason then says why
     numbers = "" if err is None else f", max abs error {err:.3g}" + ("" if tol is None else f" (tolerance {tol:.3g})")
     print(f"{arg} on {spec.describe()}: built and ran in {time.perf_counter() - t0:.1f} s{numbers}{why}", flush=True)
