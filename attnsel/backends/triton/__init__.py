@@ -79,6 +79,24 @@ RAGGED_ROOM, ROOM_PROGRAMS = 8, 8  # decode_splits' room for a ragged replay of 
 # (tests/test_gpu.py::test_decode_plan_reused_many_times_eager_and_graph).
 MERGE_IN_DECODE_KERNEL = True
 MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded up) the in-kernel merge takes
+# A decode plan launches its programs longest row first (kernels.paged_kernel's ORDERED: each run sorts the live
+# lengths on the device, one more small kernel) where the batch has at least ORDER_MIN_PROGRAMS_PER_SM (row, KV head)
+# pairs per SM: there a ragged batch's long row, one program per KV head, bounds the time when its programs start
+# late; smaller batches run in one round anyway, and their host-bound eager calls keep the single launch.
+# ORDER_ROWS: None (decode_ordered's rule), True (every decode plan of 2 rows or more, the interpreter's included:
+# for tests and benchmarks) or False (never).
+ORDER_MIN_PROGRAMS_PER_SM = 2
+ORDER_ROWS: bool | None = None
+
+
+def decode_ordered(batch: int, kv_heads: int, sms: int | None) -> bool:
+    """Whether a decode plan of ``batch`` rows launches its rows longest first (see ORDER_MIN_PROGRAMS_PER_SM);
+    ``sms``: the GPU's multiprocessor count, None under the interpreter (ordered only when ORDER_ROWS is True)."""
+    if batch < 2 or ORDER_ROWS is False:
+        return False
+    if ORDER_ROWS:
+        return True
+    return sms is not None and batch * kv_heads >= ORDER_MIN_PROGRAMS_PER_SM * sms
 
 
 def decode_splits(batch: int, kv_heads: int, max_len: int, total_len: int, block_n: int,
@@ -253,7 +271,14 @@ class TritonBackend:
         window = spec.sliding_window or 0
         fp8 = spec.kv_dtype is not None
         upcast = interpreted()
-        heads = spec.num_q_heads
+        heads, kv_heads = spec.num_q_heads, spec.num_kv_heads
+        ordered = decode_ordered(batch, kv_heads, sms)
+        if ordered:  # each run sorts the lengths it reads into these: the rows longest first, for the kernel
+            sorted_lens = torch.empty(batch, dtype=torch.int32, device=device)
+            order = torch.empty(batch, dtype=torch.int64, device=device)
+            grid = (batch * kv_heads * splits,)
+        else:
+            order, grid = None, (batch, kv_heads, splits)
 
         def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -264,18 +289,20 @@ class TritonBackend:
                 raise ValueError(f"triton decode: q has {q.numel()} elements, past 2^31 (32-bit offsets)")
             out = torch.empty_like(q)
             support.refresh_captured((refresh_table, refresh_lens), q)
+            if ordered:  # the live lengths (a captured run: this replay's), on the device
+                torch.sort(lens, descending=True, stable=True, out=(sorted_lens, order))
             merge = merge_ok and not support.capturing(q)
             part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2)) if splits > 1 else (0, 0, 0)
-            paged_kernel[(batch, spec.num_kv_heads, splits)](
+            paged_kernel[grid](
                 q, k_cache, v_cache, page_table, lens, out, o_part, lse_part, arrived, sinks,
                 k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, target, min_chunk, batch, heads,
-                q.stride(0), q.stride(-2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                kv_heads, order, q.stride(0), q.stride(-2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
                 out.stride(0), out.stride(-2), *part_strides, None, 1,
                 GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
                 PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
                 BLOCK_B=block_b, BLOCK_S=block_s, MERGE=merge, WINDOW=window, SOFTCAP=softcap,
-                HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast, BLOCK_Q=1,
+                HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast, BLOCK_Q=1, ORDERED=ordered,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if splits > 1 and not merge:
                 paged_reduce_kernel[(batch, heads)](
@@ -285,6 +312,7 @@ class TritonBackend:
                     HAS_SINKS=sinks is not None, num_warps=4)
             return out
 
+        run.splits, run.ordered, run.order = splits, ordered, order  # for tests and benchmarks: the path it takes
         return run
 
     def plan_extend(self, spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor,

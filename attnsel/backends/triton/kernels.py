@@ -245,14 +245,14 @@ def _row_offset(row, tok, stride, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def paged_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCALE, V_SCALE, scale_in, num_splits,
-                 target, min_chunk, batch, num_heads,
+                 target, min_chunk, batch, num_heads, kv_heads, ORDER,
                  stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                  stride_ptb, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, CU_Q, q_tiles,
                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
                  BLOCK_S: tl.constexpr, MERGE: tl.constexpr, WINDOW: tl.constexpr,
                  SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
-                 BLOCK_Q: tl.constexpr):
+                 BLOCK_Q: tl.constexpr, ORDERED: tl.constexpr):
     """Paged attention of decode and extend. Grid (batch x q_tiles, num_kv_heads, num_splits): a program takes
     BLOCK_Q query tokens of one row and the query heads of one KV head (rows of the tile: token-major, BLOCK_G rows
     per token), so every K/V tile it reads serves all of them.
@@ -276,10 +276,25 @@ def paged_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCALE
     off the count (0 again for the next eager run; a captured run never merges here). Without MERGE
     paged_reduce_kernel merges. Like the split buffers, the count belongs to the plan: one plan runs on one stream
     at a time.
+
+    ORDERED (decode only): a 1-D grid of batch x kv_heads x num_splits programs, program i taking rank
+    i // (kv_heads x num_splits), KV head (i // num_splits) % kv_heads and split i % num_splits, and row
+    ORDER[rank] (ORDER: the rows sorted longest first): the GPU starts programs in program-number order, so the
+    longest rows' programs, all of one row's next to each other, start first and short rows fill in behind them
+    (longest-first list scheduling) instead of a long row's programs starting late, one per KV head, in a ragged
+    batch. Everything after the row is chosen (partials, arrival counts, output) is indexed by the row itself.
+    ``kv_heads``: the number of KV heads (the grid's second axis when not ORDERED).
     """
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if ORDERED:
+        tl.static_assert(BLOCK_Q == 1, "ORDERED is decode's launch")
+        prog = tl.program_id(0)
+        split = prog % num_splits
+        kv_head = prog // num_splits % kv_heads
+        pid = tl.load(ORDER + prog // (num_splits * kv_heads)).to(tl.int32)
+    else:
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
     if CU_Q is None:  # decode: row pid's query is q's row pid
         b = pid
         q_row = pid
@@ -311,7 +326,7 @@ def paged_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCALE
         spans = tl.load(LENS + offs_b, mask=offs_b < batch, other=0).to(tl.int64)
         if WINDOW > 0:
             spans = tl.minimum(spans, WINDOW)
-        chunk = tl.maximum(tl.sum(spans, 0) * tl.num_programs(1) // target, min_chunk)
+        chunk = tl.maximum(tl.sum(spans, 0) * kv_heads // target, min_chunk)
         used = tl.maximum(tl.minimum((span + chunk // 2) // chunk, num_splits), 1).to(tl.int32)
         if not MERGE:
             if split >= used:  # nothing to read: an empty partial (the reduce skips it)
@@ -397,7 +412,7 @@ def paged_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCALE
         tl.store(LSE_part + (part * num_heads + heads) * num_splits + split, lse, mask=g_mask)
         if MERGE:
             tl.debug_barrier()  # every thread's stores of this program come before its release below
-            count = ARRIVED + pid * tl.num_programs(1) + kv_head
+            count = ARRIVED + pid * kv_heads + kv_head
             # the last one of the group: its arrival takes the count to a multiple of num_splits. Modulo, not
             # equality: while runs of one plan overlap (two streams) the count passes multiples of num_splits
             # other than 0 (one run's last program subtracts after the other's programs counted on); with the
