@@ -151,3 +151,33 @@ def test_which_plans_are_ordered(monkeypatch):
     monkeypatch.setattr(tb, "ORDER_ROWS", None)
     run = get("triton").plan_decode(spec, *case.plan_args)
     assert not run.ordered and run.order is None
+
+
+@pytest.mark.parametrize("room", [False, True], ids=["ragged-plan", "uniform-plan"])
+def test_order_room_splits(room, monkeypatch):
+    """ORDER_ROOM_SPLITS raises an ordered plan's splits only where the plan keeps room for a ragged replay (made on
+    rows of one length); the replay's rows match their reference."""
+    spec = AttentionSpec(8, 2, 64, dtype="fp16", page_size=16)
+    monkeypatch.setattr(tb, "ORDER_ROOM_SPLITS", 3)
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", False)
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (1, 2**30, 16))
+    case = decode_case(spec, CPU, RAGGED)
+    table, lens = case.plan_args
+    planned = lens.clone() if not room else torch.full_like(lens, 16)
+    run = _plan(spec, table, planned, True)
+    assert run.splits == (3 if room else 1)
+    planned.copy_(lens)
+    _check_rows(spec, case, run(*case.inputs, **case.kwargs), _reference(spec, case, RAGGED))
+
+
+def test_bench_script_builds_its_shapes():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "triton_order_bench.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 9 and lines[0].startswith("graph ragged 128 x 2048") and "rows 87" in lines[6]

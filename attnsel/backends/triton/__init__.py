@@ -87,6 +87,11 @@ MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded
 # for tests and benchmarks) or False (never).
 ORDER_MIN_PROGRAMS_PER_SM = 2
 ORDER_ROWS: bool | None = None
+# The fewest splits an ordered plan keeps for a ragged replay of a plan made on rows of one length (decode_splits'
+# ragged_room): 1 adds none to decode_splits' room, which is 1 split from 256 rows of 8 KV heads up on an H100 (a
+# replay's long row is then one program per KV head however long it is). Larger values are for benchmarks
+# (scripts/triton_order_bench.py) until measured.
+ORDER_ROOM_SPLITS = 1
 
 
 def decode_ordered(batch: int, kv_heads: int, sms: int | None) -> bool:
@@ -242,6 +247,10 @@ class TritonBackend:
         splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),
                                                   cfg.block_n, sms, ragged_room=room,
                                                   split_bytes=batch * spec.num_q_heads * tile_d(spec.head_dim) * 4)
+        ordered = decode_ordered(batch, spec.num_kv_heads, sms)
+        if ordered and room and splits < ORDER_ROOM_SPLITS:  # at most ROOM_BYTES of partial outputs, as the room
+            splits = max(splits, min(ORDER_ROOM_SPLITS,
+                                     ROOM_BYTES // (batch * spec.num_q_heads * tile_d(spec.head_dim) * 4)))
         block_d = tile_d(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
@@ -272,7 +281,6 @@ class TritonBackend:
         fp8 = spec.kv_dtype is not None
         upcast = interpreted()
         heads, kv_heads = spec.num_q_heads, spec.num_kv_heads
-        ordered = decode_ordered(batch, kv_heads, sms)
         if ordered:  # each run sorts the lengths it reads into these: the rows longest first, for the kernel
             sorted_lens = torch.empty(batch, dtype=torch.int32, device=device)
             order = torch.empty(batch, dtype=torch.int64, device=device)
