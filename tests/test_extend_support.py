@@ -7,6 +7,7 @@ import torch
 from attnsel.backends import get, graph_stale_reason
 from attnsel.backends.fa3 import FP8_MAX, quantize_q_rows, token_rows
 from attnsel.backends.flashinfer import _extend_layout
+from attnsel.selection import DEFAULT_PRIORITY
 from attnsel.spec import AttentionSpec
 from attnsel.validate import yardstick
 from tests.fixtures.extend_cases import make_batch, reference
@@ -40,6 +41,19 @@ def test_extend_limits_are_named(hopper_with_libraries, monkeypatch):
     monkeypatch.setitem(FA3_FLAGS, "FLASHATTENTION_DISABLE_PAGEDKV", True)
     assert "compiled with FLASHATTENTION_DISABLE_PAGEDKV: extend needs it" in _reason("fa3")
     assert "PAGEDKV" not in (get("fa3").unsupported(AttentionSpec(32, 8, 128), "prefill") or "")
+
+
+def test_fa2_extend_with_an_fp8_cache_says_it_is_what_flashinfer_runs(hopper_with_libraries):
+    """flashinfer_fa2 is a default extend candidate, but with an fp8 KV cache FlashInfer's own template choice (the
+    flashinfer candidate) is its FA2 template already: the variant would time the same kernel twice."""
+    assert "flashinfer_fa2" in DEFAULT_PRIORITY["extend"]
+    fp8 = AttentionSpec(32, 8, 128, kv_dtype="fp8_e4m3")
+    assert get("flashinfer").unsupported(fp8, "extend") is None
+    why = get("flashinfer_fa2").unsupported(fp8, "extend")
+    assert why is not None and "is the kernel flashinfer runs" in why
+    # without fp8, and in prefill (which takes k/v in spec.dtype), the variant is a candidate of its own
+    assert get("flashinfer_fa2").unsupported(AttentionSpec(32, 8, 128), "extend") is None
+    assert get("flashinfer_fa2").unsupported(fp8, "prefill") is None
 
 
 def test_graph_contract_declarations():

@@ -1,6 +1,7 @@
-"""Adversarial review of the skewed eager decode lookup (DispatchTable.skewed / _skewed): a decode batch the ragged
-sub-table does not serve, with its longest row at least grid.DECODE_SKEW times its mean, is estimated as its time at
-the mean plus one row of its longest context. Pure data: tables made by hand, no worker, no device."""
+"""The skewed eager decode lookup (DispatchTable.skewed / _skewed): a decode batch the ragged sub-table does not
+serve, with its longest row at least grid.DECODE_SKEW times its mean, is estimated as its time at the mean plus one
+row of its longest context; extend's skewed batches share its memo. Pure data: tables made by hand, no worker, no
+device."""
 import json
 
 import pytest

@@ -1,5 +1,6 @@
-"""Adversarial review of the extend phase (branch extend-core): each test states what should hold and fails where it
-does not. CPU only (Triton in its interpreter where used)."""
+"""The checks of the extend phase catch faulty backends: the CUDA-graph replay check, validation's extend cases (a
+window one key too wide on chunk rows, q padding rows past cu_seqlens_q), a plugin's load error as its extend reason,
+and the tests' own extend fixture. Each test states what should hold and fails where it does not. CPU only."""
 import dataclasses
 
 import pytest
@@ -40,8 +41,8 @@ def test_graph_replay_of_extend_catches_a_plan_that_froze_cu_seqlens_q():
 def test_a_plugin_that_failed_to_load_names_its_load_error_for_extend(monkeypatch):
     """A plugin that fails to load is kept 'so reports show it instead of hiding it' (backends/__init__.py): its
     extend reason must be the import error, not 'no plan_extend'."""
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "attnsel_review_no_such_module:BACKEND")
-    broken = backends.get("attnsel_review_no_such_module:BACKEND")
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "attnsel_no_such_module:BACKEND")
+    broken = backends.get("attnsel_no_such_module:BACKEND")
     reasons = {p: backends.availability(broken, SPEC, p)[0] for p in backends.PHASES}
     assert "failed to load" in reasons["prefill"]
     assert "failed to load" in reasons["extend"], reasons["extend"]
@@ -121,7 +122,7 @@ def test_extend_validation_gives_q_padding_rows_past_cu_seqlens_q():
 
 
 def test_extend_fixture_flags_wrong_outputs_on_queries_before_the_first_key():
-    """tests/fixtures/extend_cases.row_failures judges the branch's extend tests. A row with 0 < seq_len < q_len has
+    """tests/fixtures/extend_cases.row_failures judges the extend tests. A row with 0 < seq_len < q_len has
     queries before its first key (FlashAttention's and every backend's answer there: zeros). The fixture's reference
     is NaN on those queries, so the row's tolerance comes out inf and any finite output passes."""
     from tests.fixtures.extend_cases import make_batch, row_failures
