@@ -110,7 +110,7 @@ def main() -> int:
         row = {"mode": mode, "shape": name, "rows": len(lens), "mean": sum(lens) / len(lens), "longest": max(lens),
                "auto_ordered": auto}
         outs = {}
-        merge = tb.MERGE_IN_DECODE_KERNEL
+        merge, order_rows = tb.MERGE_IN_DECODE_KERNEL, tb.ORDER_ROWS
         variants = [("ordered", True, 1), ("unordered", False, 1)]
         if mode == "graph" and name.startswith("ragged"):  # ORDER_ROOM_SPLITS 2: a long row's second split
             variants.append(("ordered_room2", True, 2))
@@ -121,7 +121,7 @@ def main() -> int:
             try:
                 seconds, outs[label], run = _time(triton_backend, mode, q, k, v, table, seq_lens, device)
             finally:
-                tb.ORDER_ROWS, tb.MERGE_IN_DECODE_KERNEL, tb.ORDER_ROOM_SPLITS = None, merge, 1
+                tb.ORDER_ROWS, tb.MERGE_IN_DECODE_KERNEL, tb.ORDER_ROOM_SPLITS = order_rows, merge, 1
             row[f"{label}_us"], row[f"{label}_splits"] = seconds * 1e6, run.splits
             assert run.ordered is ordered
         if fa3 is not None:

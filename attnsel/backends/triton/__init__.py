@@ -79,16 +79,20 @@ RAGGED_ROOM, ROOM_PROGRAMS = 8, 8  # decode_splits' room for a ragged replay of 
 # (tests/test_gpu.py::test_decode_plan_reused_many_times_eager_and_graph).
 MERGE_IN_DECODE_KERNEL = True
 MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded up) the in-kernel merge takes
-# A decode plan launches its programs longest row first (kernels.paged_kernel's ORDERED: each run sorts the live
+# A decode plan may launch its programs longest row first (kernels.paged_kernel's ORDERED: each run sorts the live
 # lengths on the device, one more small kernel) where the batch has at least ORDER_MIN_PROGRAMS_PER_SM (row, KV head)
 # pairs per SM: there a ragged batch's long row, one program per KV head, bounds the time when its programs start
-# late; smaller batches run in one round anyway, and their host-bound eager calls keep the single launch.
+# late (Triton runs ragged batches of 64-512 rows 1.12-1.54x behind FA3, which orders its varlen batches so, and
+# leads it on uniform ones: results file, seed 3434); smaller batches run in one round anyway, and their host-bound
+# eager calls keep the single launch.
 # ORDER_ROWS: None (decode_ordered's rule), True (every decode plan of 2 rows or more, the interpreter's included:
-# for tests and benchmarks) or False (never).
+# for tests and benchmarks) or False (never). False until timed on a GPU (scripts/triton_order_bench.py): the
+# selection validates decode on a small batch, which the rule leaves unordered, so an ordered launch would serve
+# large batches that only the CPU tests and the compile check have run.
 ORDER_MIN_PROGRAMS_PER_SM = 2
-ORDER_ROWS: bool | None = None
+ORDER_ROWS: bool | None = False
 # The fewest splits an ordered plan keeps for a ragged replay of a plan made on rows of one length (decode_splits'
-# ragged_room): 1 adds none to decode_splits' room, which is 1 split from 256 rows of 8 KV heads up on an H100 (a
+# ragged_room): 1 adds none to decode_splits' room, which is 1 split from 256 rows of 8 KV heads up on 132 SMs (a
 # replay's long row is then one program per KV head however long it is). Larger values are for benchmarks
 # (scripts/triton_order_bench.py) until measured.
 ORDER_ROOM_SPLITS = 1
