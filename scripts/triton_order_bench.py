@@ -7,7 +7,8 @@ one-token rows (validate/engine_capture.capture_args, as the timing plans a grap
 written in place and the graph replayed (validate/timing.capture and bench). Eager: planned on the real lengths, the
 run timed. One line per shape and backend: microseconds per call, the ratio to FA3, the max abs difference of the
 output against FA3's (and ordered against unordered: 0 expected). JSON to $OUT/order.json when OUT is set.
---dry-run: the shapes and their lengths only (no GPU).
+"auto": whether decode_ordered's rule (ORDER_ROWS None) would order the batch.
+--dry-run: the shapes, their lengths and the rule's choice at 132 SMs only (no GPU).
 """
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def shapes() -> list[tuple[str, str, list[int]]]:
             ("eager", "ragged 512 x 2048", ragged_decode_lens(512, 2048)),
             ("eager", "uniform 512 x 256", [256] * 512)]
     return out
+
+
+def rule_ordered(rows: int, kv_heads: int, sms: int) -> bool:
+    """What decode_ordered's rule (ORDER_ROWS None) chooses for a batch on a GPU of ``sms`` SMs: the module's
+    ORDER_ROWS default (False until timed) would answer False for every shape."""
+    import attnsel.backends.triton as tb
+
+    saved, tb.ORDER_ROWS = tb.ORDER_ROWS, None
+    try:
+        return tb.decode_ordered(rows, kv_heads, sms)
+    finally:
+        tb.ORDER_ROWS = saved
 
 
 def _inputs(lens: list[int], device, seed: int = 0):
@@ -85,7 +98,9 @@ def main() -> int:
     todo = [s for s in shapes() if args.only in (None, s[0])]
     if args.dry_run:
         for mode, name, lens in todo:
-            print(f"{mode:5} {name:20} rows {len(lens)} mean {sum(lens) / len(lens):.0f} longest {max(lens)}")
+            auto = "on" if rule_ordered(len(lens), SPEC.num_kv_heads, 132) else "off"
+            print(f"{mode:5} {name:20} rows {len(lens)} mean {sum(lens) / len(lens):.0f} longest {max(lens)} "
+                  f"auto {auto} at 132 SMs")
         return 0
     import attnsel.backends.triton as tb
     from attnsel.backends import get
@@ -106,7 +121,7 @@ def main() -> int:
     rows = []
     for mode, name, lens in todo:
         q, k, v, table, seq_lens = _inputs(lens, device)
-        auto = tb.decode_ordered(len(lens), SPEC.num_kv_heads, sms)
+        auto = rule_ordered(len(lens), SPEC.num_kv_heads, sms)  # the rule's choice, not the default (off)
         row = {"mode": mode, "shape": name, "rows": len(lens), "mean": sum(lens) / len(lens), "longest": max(lens),
                "auto_ordered": auto}
         outs = {}

@@ -183,3 +183,27 @@ def test_bench_script_builds_its_shapes():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert len(lines) == 9 and lines[0].startswith("graph ragged 128 x 2048") and "rows 87" in lines[6]
+
+
+def test_bench_script_reports_the_rules_choice_not_the_default():
+    """The bench's "auto" column is what decode_ordered's rule (ORDER_ROWS None) would choose on the GPU, not the
+    module's default, which is False until timed: with the default every shape would read "auto off". The dry run
+    shows the rule's choice at an H100's 132 SMs (2 x 132 (row, KV head) pairs: every shape here, 87 x 8 the
+    fewest)."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "scripts" / "triton_order_bench.py"
+    module_spec = importlib.util.spec_from_file_location("triton_order_bench", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    assert tb.ORDER_ROWS is False
+    assert bench.rule_ordered(512, 8, 132) and not bench.rule_ordered(16, 8, 132)
+    assert tb.ORDER_ROWS is False  # restored
+    proc = subprocess.run([sys.executable, str(path), "--dry-run"], capture_output=True, text=True, timeout=120,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(line.endswith("auto on at 132 SMs") for line in proc.stdout.splitlines()), proc.stdout
