@@ -160,7 +160,7 @@ def test_entry_problem_reads_dispatch_entries_as_selection_does():
              "skipped-item": lambda e: e["measured"].update(skipped=[3]),
              "axes-item": lambda e: e["measured"].update(axes=[1, 2]),
              "us-bool": lambda e: e["measured"]["buckets"][0]["us"].update(torch=True),
-             # review 2026-12-05: each of these passed, then crashed every run (a null pruned ratio: the report's
+             # each of these would pass the check, then crash every run (a null pruned ratio: the report's
              # format; keys below 1: math.log/sqrt at lookup) or put Infinity into `attnsel report --json`
              "pruned-null": lambda e: e["measured"].update(pruned={"torch": None}),
              "pruned-nan": lambda e: e["measured"].update(pruned={"torch": float("nan")}),
@@ -231,7 +231,7 @@ def test_clear():
     assert select(SPEC, policy="priority", **PAIR).cache == "miss"
 
 
-# ---- the key changes when what a verdict depends on changes (issue 9 item 11) -------------------------------------
+# ---- the key changes when what a verdict depends on changes -------------------------------------------------------
 
 def test_package_hash_follows_attnsel_sources(tmp_path):
     """A changed Triton kernel (any attnsel source) changes the fingerprint, so its old verdict is not served."""

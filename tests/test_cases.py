@@ -336,7 +336,7 @@ def test_spot_check_passes_right_outputs_and_names_a_wrong_row(phase, shape):
     assert "NaN or inf" in spot.spot_check(SPEC, phase, plan_args, sets[0], bad, {})
 
 
-# --- issue 11 item 2: every feature in the reference and the cases --------------------------------------------------
+# --- every feature in the reference and the cases -------------------------------------------------------------------
 
 FEATURE_CASES = [
     ("no_window", {"sliding_window": 5}), ("no_window", {"sliding_window": 300}),

@@ -57,7 +57,7 @@ def test_report_json_schema(capsys):
 
 def test_report_json_is_strict_json(capsys, monkeypatch):
     """json.dumps writes float('inf') and NaN as Infinity/NaN, which strict parsers (and other languages) refuse;
-    the report now writes null for them (review, 2026-12-05: a cached time of Infinity reached the output)."""
+    the report writes null for them (a cached time of Infinity would otherwise reach the output)."""
     import attnsel.render as render
 
     real = render.report_json
@@ -431,7 +431,7 @@ def test_a_layer_kind_that_cannot_be_served_is_shown_and_exits_3(capsys, monkeyp
     assert code == 3
     kinds = json.loads(out)["layer_kinds"]
     assert [k["kind"] for k in kinds] == ["sliding_attention", "full_attention"]
-    for kind in kinds:  # the error, and what was found (issue 14: the report still shows it)
+    for kind in kinds:  # the error, and what was found (the report still shows it)
         assert "decode backend 'nan_decode' was requested explicitly but is rejected" in kind["error"]
         nan = next(c for c in kind["selection"]["decode"]["candidates"] if c["name"] == "nan_decode")
         assert nan["status"] == "rejected" and "NaN" in nan["reason"]

@@ -102,7 +102,7 @@ def test_table_json_round_trip():
 
 
 def test_a_key_of_the_wrong_length_is_named():
-    """Review finding: zip() truncated (4,) or (4, 512, 99) on a (batch, context) table and answered anyway."""
+    """A (4,) or (4, 512, 99) key on a (batch, context) table is refused (zip() would truncate it and answer anyway)."""
     table = build_table(measured("decode", "eager", DECODE), ["a", "b"])
     for key in ((4,), (4, 512, 99), ()):
         for lookup in (table.backend_for, table.bucket_for, table.cell):
@@ -112,9 +112,9 @@ def test_a_key_of_the_wrong_length_is_named():
 
 
 def test_shapes_between_timed_ones_take_the_least_interpolated_slowdown():
-    """Graph-mode decode, 32/8 heads on the H200 (2026-12-03, geometric means over contexts): FA3 won batch 16 by
-    0.9% and lost batch 8 by 6.5%; Triton was within 1% at both. At batch 12 the bench then measured FA3 1.24-1.31x
-    slower than Triton: the nearest bucket (16) was the wrong guide, the interpolated slowdown is not."""
+    """Graph-mode decode, 32/8 heads on the H200 (geometric means over contexts): FA3 won batch 16 by 0.9% and lost
+    batch 8 by 6.5%; Triton was within 1% at both. At batch 12 the bench then measured FA3 1.24-1.31x slower than
+    Triton: the nearest bucket (16) was the wrong guide, the interpolated slowdown is not."""
     cells = {}
     for batch, times in ((8, {"fa3": 32.8, "triton": 30.8}), (16, {"fa3": 48.6, "triton": 49.04})):
         for ctx in (256, 16384):
@@ -151,10 +151,10 @@ def test_interpolation_needs_every_corner_else_the_nearest_bucket():
 
 
 def test_lookup_does_not_depend_on_the_order_of_earlier_calls():
-    """Shapes near a nearest-bucket boundary get the same answers whichever came first (a review found an earlier memo
-    handing the first one's answer to the second): the answer is a function of the shape (rounded to 1/16 octave per
-    axis for the nearest bucket, 1/32 of a step for interpolation), not of the calls before. Both lookups: the
-    nearest bucket (interpolation off) and the interpolated one."""
+    """Shapes near a nearest-bucket boundary get the same answers whichever came first (a memo must not hand the
+    first one's answer to the second): the answer is a function of the shape (rounded to 1/16 octave per axis for the
+    nearest bucket, 1/32 of a step for interpolation), not of the calls before. Both lookups: the nearest bucket
+    (interpolation off) and the interpolated one."""
     cells = {(2, 2 * n, n): ({"a": 1.0, "b": 2.0} if n <= 576 else {"a": 2.0, "b": 1.0}) for n in (288, 576, 1152)}
     keys = [(2, 1520, 760), (2, 1620, 810), (2, 1640, 820), (2, 1760, 880)]  # around the midpoint of 576 and 1152
     for rules in ((), ("interpolation",)):
@@ -185,7 +185,7 @@ def test_interpolation_ignores_corners_of_zero_weight_and_bad_times():
 
 
 def test_nearest_bucket_is_measured_from_the_shape_not_its_cell():
-    """H200 2026-12-04: 40 prompts x 100 tokens lies in the untimed cell (32, 4608, 102); from the cell's centre the
+    """On an H200, 40 prompts x 100 tokens lies in the untimed cell (32, 4608, 102); from the cell's centre the
     FA3 bucket (32, 4608, 144) was as near as FlashInfer's (32, 3264, 102) and served it 1.31x slower; from the
     shape itself FlashInfer's bucket is the nearest."""
     pre = {(64, 4608, 72): {"fa3": 51.8, "flashinfer": 52.0}, (32, 2304, 72): {"fa3": 29.4, "flashinfer": 28.6},
@@ -198,10 +198,10 @@ def test_nearest_bucket_is_measured_from_the_shape_not_its_cell():
 
 
 def test_a_wave_step_between_timed_batches_is_served_by_the_faster_kernel():
-    """Round 19's 28/4 decode at 100 x 9000 on an H100: 'w' (FA3, one block per row and KV head) led 'f'
-    (FlashInfer) by 2.5% at 91 rows (3 rounds of 132 SMs) and trailed by 0.5% at 128 (4 rounds); at 100 rows it
-    has 4 rounds and was 1.11x slower. Interpolating between 91 and 128 alone serves 'w' there; with the wave
-    batches 99 and 100 timed, 100 rows go to 'f' and 99 to 'w'."""
+    """28/4 decode at 100 x 9000 on an H100: 'w' (FA3, one block per row and KV head) led 'f' (FlashInfer) by 2.5% at 91
+    rows (3 rounds of 132 SMs) and trailed by 0.5% at 128 (4 rounds); at 100 rows it has 4 rounds and was 1.11x slower.
+    Interpolating between 91 and 128 alone serves 'w' there; with the wave batches 99 and 100 timed, 100 rows go to 'f'
+    and 99 to 'w'."""
     f = lambda b: 3.1 * b  # FlashInfer: time grows with the rows
     w = lambda b: 0.975 * 3.1 * 91 / 3 * math.ceil(b * 4 / 132)  # FA3: time grows with the rounds
     cells = lambda batches: {(b, c): {"w": w(b) * c / 4096, "f": f(b) * c / 4096} for b in batches

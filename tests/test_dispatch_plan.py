@@ -59,10 +59,10 @@ def test_plan_prefill_dispatches_on_seqs_tokens_longest(monkeypatch):
     ("total_k", 2.0, "a non-negative Python int"),
 ])
 def test_plan_prefill_names_a_bad_total(arg, value, allowed):
-    """total_q / total_k key the dispatch and check the run's token counts: a tensor there was read (a device sync;
-    on a meta tensor a RuntimeError), a negative or impossible count was accepted at plan time and failed only at
-    run time without naming the argument (review, 2026-12-05). A count above sequences x longest stays allowed: q
-    may carry padding rows past the last sequence."""
+    """total_q / total_k key the dispatch and check the run's token counts: plan_prefill refuses, naming the
+    argument, a tensor there (reading it would be a device sync; on a meta tensor a RuntimeError) and a negative or
+    impossible count (it would fail only at run time, without naming the argument). A count above sequences x
+    longest stays allowed: q may carry padding rows past the last sequence."""
     sel = _selection({})
     cu = cumulative([5, 7], "cpu")
     with pytest.raises(ValueError, match=rf"^{arg}: expected None or {re.escape(allowed)}"):
@@ -138,8 +138,8 @@ def test_decode_run_checks_feature_inputs_the_spec_asks_for():
 
 
 def test_plan_metadata_is_checked_before_any_backend_sees_it():
-    """Review finding: a page table with fewer rows than seq_lens crashed the Triton decode (SIGSEGV) and
-    mismatched cu_seqlens gave NaN; plan_* now refuses them from host metadata, naming the argument."""
+    """A page table with fewer rows than seq_lens (the Triton decode would crash, SIGSEGV) and mismatched
+    cu_seqlens (NaN) are refused by plan_* from host metadata, naming the argument."""
     sel = _selection({})
     lens = torch.tensor([20, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"^page_table: expected an int32 tensor \[2, max_pages\] on cpu .* "
@@ -169,7 +169,7 @@ def test_plan_metadata_is_checked_before_any_backend_sees_it():
 
 
 def test_run_refuses_a_strided_last_dimension():
-    """Review finding: Triton indexes the last dimension with stride 1, so q[..., ::2] gave errors of 1.56."""
+    """A strided last dimension is refused: Triton indexes it with stride 1 (q[..., ::2] would give errors of 1.56)."""
     run = _prefill_run()
     wide = torch.zeros(12, 4, 128, **H)
     k, v = torch.zeros(12, 2, 64, **H), torch.zeros(12, 2, 64, **H)

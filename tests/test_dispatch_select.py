@@ -159,10 +159,10 @@ def test_candidates_validated_by_a_worker_that_died_are_still_timed(monkeypatch,
 
 @pytest.mark.usefixtures("thread_or_process_worker")  # the cache's business: a thread by default
 def test_a_table_whose_candidate_the_outlier_rule_rejects_is_reused(monkeypatch, tmp_path):
-    """biased is rejected (its own rows' check now; under one tolerance per case it passed and the cross-candidate
-    outlier rule, applied on every selection from the cached errors, rejected it); the table of the others was
-    stored under a key without biased while the lookup asked with it, so every run timed again (review,
-    2026-12-05). Now the second run is a hit, no worker."""
+    """biased is rejected (by its own rows' check; the cross-candidate outlier rule, applied on every selection from
+    the cached errors, would reject it too); the table of the others is stored under the key the lookup asks with,
+    biased included, so the second run is a hit, no worker (under a key without biased every run would time
+    again)."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:PRECISE_AND_BIASED")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     spec = AttentionSpec(4, 2, 64, "bf16", page_size=16)
@@ -275,10 +275,9 @@ def test_the_time_budget_keeps_the_coarse_grid_and_skips_the_rest(monkeypatch):
 
 @pytest.mark.usefixtures("thread_or_process_worker")  # the cache's business: a thread by default
 def test_a_table_cut_by_the_budget_is_timed_again_under_a_larger_one(monkeypatch, tmp_path):
-    """A table the budget cut short (skipped buckets) was cached and served to every later run, whatever budget that
-    run had: raising ATTNSEL_TIMING_BUDGET_S changed nothing until `attnsel cache clear` (review, 2026-12-05). Now
-    a run with a larger budget than the one that cut the table times it again; the same or a smaller budget reuses
-    it, and a table without skipped buckets is reused under any budget."""
+    """A table the budget cut short (skipped buckets) is timed again by a run with a larger budget than the one that
+    cut it, so raising ATTNSEL_TIMING_BUDGET_S takes effect without `attnsel cache clear`; the same or a smaller
+    budget reuses it, and a table without skipped buckets is reused under any budget."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:TORCH_COPY")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     kw = dict(prefill="torch", decode_priority=["torch", "torch_copy"])
@@ -297,7 +296,7 @@ def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
     """Both phases timed share the budget; the table records the decode phase's share, so a later run that times
     decode alone under the same total (decode's share doubles) times it again; and an infinite budget ("no
     limit", capped by the worker) records null, not Infinity, which the cache would read back as malformed and
-    time again on every run (second review, 2026-12-05)."""
+    time again on every run."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:TORCH_COPY")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     both = dict(prefill_priority=["torch", "torch_copy"], decode_priority=["torch", "torch_copy"], extend="torch")
@@ -321,9 +320,9 @@ def test_the_budget_a_table_records_is_its_phases_share(monkeypatch, tmp_path):
 
 @pytest.mark.usefixtures("thread_or_process_worker")  # the cache's business: a thread by default
 def test_no_table_is_timed_where_the_outlier_rule_leaves_one_candidate(monkeypatch, tmp_path):
-    """The outlier rule (before per-row tolerances; biased's own check now) rejects biased, leaving one candidate
-    and no table. The lookup counted two valid candidates and timed the phase on every run, for a table it then threw
-    away (second review, 2026-12-05). Now a warm run applies the rule first: a hit, no worker."""
+    """biased is rejected (by its own rows' check, or the outlier rule), leaving one candidate and no table. A warm
+    run applies the rejection before counting valid candidates: a hit, no worker (counting two would time the phase
+    on every run, for a table then thrown away)."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:PRECISE_AND_BIASED")
     monkeypatch.setenv("ATTNSEL_CACHE_DIR", str(tmp_path))
     spec = AttentionSpec(4, 2, 64, "bf16", page_size=16)
@@ -337,9 +336,9 @@ def test_no_table_is_timed_where_the_outlier_rule_leaves_one_candidate(monkeypat
 
 @pytest.mark.usefixtures("inproc_worker")
 def test_select_names_arguments_of_a_wrong_type(tmp_path):
-    """Review finding: a priority given as the CLI's "a,b" text was read letter by letter ("unknown backend 't'"),
-    timeout="10" and budget_s="5" raised a bare TypeError, a dict spec an AttributeError after every backend's
-    check had logged a traceback."""
+    """A priority given as the CLI's "a,b" text is split on commas (not read letter by letter: "unknown backend
+    't'"); timeout="10" and budget_s="5" (else a bare TypeError) and a dict spec (else an AttributeError after every
+    backend's check had logged a traceback) are refused, naming the argument."""
     spec = AttentionSpec(4, 2, 64, dtype="fp32")
     sel = select(spec, policy="priority", prefill_priority="triton, torch", decode_priority="torch",
                  cache_dir=str(tmp_path))

@@ -261,7 +261,7 @@ def test_health_probe_out_of_memory_twice_is_not_cached(tmp_path, monkeypatch):
 
 
 def test_a_worker_killed_from_outside_is_reported_not_cached(monkeypatch):
-    """Review finding: SIGKILL (the kernel's OOM killer) or SIGTERM says nothing about the backend: the candidate is
+    """SIGKILL (the kernel's OOM killer) or SIGTERM says nothing about the backend: the candidate is
     rejected for this start, with the signal in its reason, and tried again at the next start."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_backends:OOM_KILLED")
     sel = select(SPEC, policy="priority", prefill_priority=["oom_killed", "torch"], decode_priority=["torch"])

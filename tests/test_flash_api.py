@@ -306,8 +306,8 @@ def test_unsupported_argument_is_named(monkeypatch, func, kwargs, name):
 
 def test_kvcache_dispatches_on_the_real_context_not_the_page_tables_width(monkeypatch):
     """Outside capture the plan reads cache_seqlens on the host anyway (its bounds check): the dispatch takes the
-    batch's mean context from that read. Before, it took the page table's capacity, so an engine that sizes its
-    table for the longest context had every step looked up at the largest timed context (review, 2026-12-05)."""
+    batch's mean context from that read. The page table's capacity would be the wrong guide: an engine that sizes
+    its table for the longest context would have every step looked up at the largest timed context."""
     from attnsel.selection import PhaseChoice, Selection, build_table
     from tests.fixtures.dispatch import Recorder, measured
 
@@ -431,9 +431,9 @@ def _window_step(window, seed=11):
 
 def test_a_plan_replaced_by_another_layer_kind_is_made_again(monkeypatch):
     """Sliding and global layers alternate over the same metadata tensors on a backend that keeps one plan per phase
-    (a plugin; FlashInfer was one before its run functions got their own wrappers): each layer kind has its own
-    cached plan, and the global layers' plan went stale when the sliding layers planned. It must be planned again, not called (a RuntimeError, as on the first H200 run of
-    scripts/gpu_flash_api.py on 2026-12-03, where a direct plan came between two calls)."""
+    (a plugin): each layer kind has its own cached plan, and the global layers' plan goes stale when the sliding
+    layers plan. It must be planned again, not called (a RuntimeError, as scripts/gpu_flash_api.py met on an H200
+    where a direct plan came between two calls)."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.test_flash_api:ONE_PLAN")
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "one_plan")
     monkeypatch.setenv("ATTNSEL_DECODE_BACKEND", "one_plan")
@@ -864,8 +864,8 @@ def test_a_reset_during_the_checks_is_not_undone_by_the_memo(monkeypatch):
     ({"softcap": float("nan")}, r"ValueError: .*softcap must be a finite number >= 0 \(0 disables it\), got nan"),
 ], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
 def test_varlen_arguments_of_a_wrong_type_are_named(monkeypatch, change, error):
-    """Review finding: int() truncated max_seqlen 2.7 to 2 and read "3"; lists raised a bare AttributeError; a NaN
-    softcap meant no cap. Each is now named with what is allowed."""
+    """max_seqlen 2.7 or "3" (int() would truncate or parse them), lists (a bare AttributeError) and a NaN softcap
+    (no cap) are refused, each named with what is allowed."""
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     q, k, v, cu_q, cu_k = ragged([3], [3], 4, 2, 8, torch.float32)
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=3, causal=True)
@@ -899,7 +899,7 @@ def test_kvcache_arguments_of_a_wrong_type_are_named(monkeypatch, change, error)
 
 
 def test_softcap_false_means_no_cap_with_or_without_a_window(monkeypatch):
-    """Review finding: softcap=False (FlashAttention reads it as 0) was taken without a window and refused with one."""
+    """softcap=False (FlashAttention reads it as 0) means no cap, with or without a window."""
     monkeypatch.setenv("ATTNSEL_PREFILL_BACKEND", "torch")
     q, k, v, cu_q, cu_k = ragged([3], [3], 4, 2, 8, torch.float32)
     for window in ((-1, -1), (2, 0)):

@@ -104,7 +104,7 @@ def test_graph_mode_timing_captures_every_backend(tmp_path):
                 assert c.score_us, f"{c.name} {phase}: {c.reason}"
 
 
-# ---------------------------------------------------------------- features (issue 11) and the decode contract
+# --------------------------------------------------------------------------- features and the decode contract
 
 FEATURE_SPECS = {
     "window256": AttentionSpec(32, 8, 128, "bf16", 16, sliding_window=256),
@@ -221,8 +221,8 @@ def test_decode_contract_zero_length_and_sentinels(name):
 
 
 def test_triton_prefill_past_2_31_elements():
-    """Issue 9 item 2: 66 prefix-cached chunks (16 queries after 8192 keys) x 32 KV heads x 128: 2.2e9 elements
-    per K/V tensor. The last chunks lie past 2^31 elements: int32 offsets faulted there."""
+    """66 prefix-cached chunks (16 queries after 8192 keys) x 32 KV heads x 128: 2.2e9 elements per K/V tensor.
+    The last chunks lie past 2^31 elements, where int32 offsets would fault."""
     from tests.fixtures.feature_cases import reference
 
     spec = AttentionSpec(32, 32, 128, "bf16", 16)
@@ -296,9 +296,10 @@ def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
     others' stores are visible, reads partials of the previous run. So every run gets a query other than the run
     before it (8 queries in turn): 200 eager runs, each within one bf16 ulp (+ 1e-5) per element of the plan that
     merges in a second kernel on the same query (checked against the float32 reference per row): the two merges sum
-    in different orders (H200/H100 2026-12-05: a few elements 1-2 ulps apart, the same ones each time a query came
-    round), while a partial of the previous query is off by the outputs' own size (~1e-2). Then 50 CUDA-graph replays (a new query copied into the captured one, the graph's
-    output NaN before each replay): a captured run takes the reduce kernel, bitwise equal."""
+    in different orders (on an H200 and an H100: a few elements 1-2 ulps apart, the same ones each time a query came
+    round), while a partial of the previous query is off by the outputs' own size (~1e-2). Then 50 CUDA-graph
+    replays (a new query copied into the captured one, the graph's output NaN before each replay): a captured run
+    takes the reduce kernel, bitwise equal."""
     import attnsel.backends.triton as tb
     from tests.fixtures.feature_cases import reference
 
@@ -340,7 +341,7 @@ def test_triton_split_decode_merges_under_concurrency(lens, monkeypatch):
         want = expected[i % 8].float()
         diff = (out.float() - want).abs()
         # one bf16 ulp of the larger value, and 1e-5 absolute: near-zero outputs (a sum that cancels) differ by
-        # more ulps (H100 2026-12-05: 2 ulps on 2 elements of one query, every time it came round, at 4 x 3000)
+        # more ulps (on an H100: 2 ulps on 2 elements of one query, every time it came round, at 4 x 3000)
         tol = torch.finfo(torch.bfloat16).eps * torch.maximum(out.float().abs(), want.abs()) + 1e-5
         worst = max(worst, diff.max().item())
         if (diff > tol).any():

@@ -2,8 +2,8 @@
 work while it was timed, the report says how much of a table was timed on a slow host; and the plan allowance's
 cap (first-use compiles are not counted against the timing budget).
 
-H100 2026-12-06 (bench/results/2026-12-06-round19): a phase's probes spread from 1.0 to ~1.5x its fastest, mostly in
-two clusters (1.00-1.06x, 1.32-1.47x). These tests script the probe and the bucket timings.
+On an H100 a phase's probes spread from 1.0 to ~1.5x its fastest, mostly in two clusters (1.00-1.06x, 1.32-1.47x;
+see bench/results/README.md). These tests script the probe and the bucket timings.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_each_bucket_carries_its_host_speed_over_the_phases_reference(scripted, 
 
 
 def test_one_lucky_bucket_does_not_make_the_rest_slow(scripted):
-    """Round 19, run 1, 8/1 prefill: one bucket at 1.0 and 61 at 1.2-1.3 of it. The reference is the lower decile."""
+    """An H100 run, 8/1 prefill: one bucket at 1.0 and 61 at 1.2-1.3 of it. The reference is the lower decile."""
     grid = [(0, (b, 256)) for b in range(1, 13)]
     hosts = {(1, 256): 4.0, **{(b, 256): 5.0 + 0.01 * b for b in range(2, 13)}}
     hosts[(12, 256)] = 7.0
@@ -159,7 +159,7 @@ def test_bench_cells_carry_each_passs_host_probe(monkeypatch):
 
 
 def test_the_plan_allowance_is_capped_by_the_task_timeout_not_the_budget(monkeypatch):
-    """Round 19 (H100): at 0.8 x a 22.5 s phase budget the allowance (18 s) let Triton's decode compiles (23-33 s)
+    """On an H100, at 0.8 x a 22.5 s phase budget the allowance (18 s) let Triton's decode compiles (23-33 s)
     cost 31-36 of ~115 decode buckets. The cap is 0.8 x the most a phase's budget may be (half the task timeout)."""
     assert timing.plan_allowance(22.5) == pytest.approx(18.0)  # no cap given: the budget's
     assert timing.plan_allowance(22.5, 300.0) == timing.PLAN_ALLOWANCE_S == 30.0
@@ -219,8 +219,9 @@ def test_a_cached_host_probe_that_is_not_a_number_is_refused(field):
 
 
 def test_a_phase_timed_again_in_a_fresh_worker_gets_its_share_and_the_timeout_cap(monkeypatch):
-    """Review finding: the path that times a phase again (candidates validated by a worker that died before the
-    timing job) sent the whole selection budget and no max_budget_s, so a phase could outlast the task timeout."""
+    """The path that times a phase again (candidates validated by a worker that died before the timing job) sends
+    the phase's share of the budget and max_budget_s (the whole selection budget and no cap would let a phase
+    outlast the task timeout)."""
     from attnsel import select
     from attnsel.validate import runner
 

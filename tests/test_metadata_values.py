@@ -111,8 +111,8 @@ def test_every_wrong_prefill_value_is_named(monkeypatch, cu_q, cu_k, max_q, max_
 
 def test_a_checked_prefill_plan_holds_q_and_k_to_the_offsets_token_counts(monkeypatch):
     """Without total_q/total_k the run cannot compare q's tokens with the offsets; a checked plan read them: fewer
-    rows than the offsets cover are refused, more are padding, as without the check (review finding: the check had
-    refused padded q that the unchecked plan serves)."""
+    rows than the offsets cover are refused, more are padding, as without the check (the unchecked plan serves
+    padded q, so the checked one does too)."""
     monkeypatch.setenv(mv.ENV, "1")
     cu = cumulative([5, 7], "cpu")
     run = _sel("torch").plan_prefill(cu, cu, 7, 7)
@@ -194,8 +194,8 @@ def test_the_fa_compatible_calls_check_values_too(monkeypatch):
 
 
 def test_new_kv_past_the_cache_is_refused_before_it_is_written(monkeypatch):
-    """Review finding: flash_attn_with_kvcache wrote the new token (index_copy_ into page 9 of a 4-page cache:
-    IndexError on CPU, a device-side fault on CUDA) before the run's page check."""
+    """flash_attn_with_kvcache checks the pages before writing the new token (index_copy_ into page 9 of a 4-page
+    cache would raise IndexError on CPU, a device-side fault on CUDA)."""
     import attnsel
 
     monkeypatch.setenv(mv.ENV, "1")
@@ -211,8 +211,8 @@ def test_new_kv_past_the_cache_is_refused_before_it_is_written(monkeypatch):
 
 
 def test_pages_before_a_sliding_window_may_be_freed(monkeypatch):
-    """Review finding: engines free the pages a window has left (-1); the check refused them though no kernel reads
-    them. Output equals the unchecked plan's over the full table."""
+    """Engines free the pages a window has left (-1); no kernel reads them, so the check allows them. Output equals the
+    unchecked plan's over the full table."""
     spec = AttentionSpec(4, 2, 64, "fp16", sliding_window=8)
     phases = {p: PhaseChoice("torch", "explicit", []) for p in ("prefill", "decode")}
     sel = Selection(spec, phases, "measure", "eager", "off", {}, {})
@@ -227,7 +227,7 @@ def test_pages_before_a_sliding_window_may_be_freed(monkeypatch):
 
 
 def test_q_and_k_longer_than_the_offsets_are_padding_as_in_flash_attention(monkeypatch):
-    """Review finding: FA callers pass q with padding tokens past cu_seqlens_q[-1]; the check refused them."""
+    """FA callers pass q with padding tokens past cu_seqlens_q[-1]; the check takes them as padding."""
     import attnsel
 
     monkeypatch.setenv(mv.ENV, "1")

@@ -1,7 +1,6 @@
-"""Ragged decode buckets (issue 10, H200 round 17): an eager decode table keeps a sub-table timed on batches of one
-long row among short ones, and a batch whose longest row is at least bucket_grid.RAGGED_SKEW times its mean context is
-served from it. The grid, the routing from host sizes, the cache and JSON round trips, the report. No GPU: timings
-are made by hand."""
+"""Ragged decode buckets: an eager decode table keeps a sub-table timed on batches of one long row among short ones, and
+a batch whose longest row is at least bucket_grid.RAGGED_SKEW times its mean context is served from it. The grid, the
+routing from host sizes, the cache and JSON round trips, the report. No GPU: timings are made by hand."""
 import dataclasses
 import json
 
@@ -116,7 +115,7 @@ def test_measure_times_the_ragged_buckets_after_the_coarse_grid(monkeypatch):
     spec = AttentionSpec(32, 8, 128, "bf16", 16)
     waves = {17, 34, 49, 50}  # 32/8 on 132 SMs (tests/test_timing.py::test_wave_batches_bracket_...)
     out = timing.measure(spec, "decode", ["a", "b"], torch.device("cuda"), "eager")
-    # a grid built without the SM count would drop them unnoticed (the review's surviving mutation, grid version 8)
+    # a grid built without the SM count would drop them unnoticed
     assert {s[0] for s in seen if isinstance(s, tuple)} == set(bucket_grid.DECODE_BATCHES) | waves
     coarse = sum(1 for lvl, _, _ in bucket_grid.decode_grid(spec, torch.device("cuda")) if lvl == 0)
     ragged = [lens for _, lens in bucket_grid.ragged_decode_grid(spec, torch.device("cuda"))]
@@ -311,8 +310,8 @@ def test_the_bench_judges_its_ragged_cell_as_an_engine_plans_it():
 
 
 def test_pruning_reads_the_uniform_coarse_grid_only(monkeypatch):
-    """Review finding: a candidate 2.5x behind on every uniform coarse bucket but close on a ragged one kept being
-    timed on every finer uniform bucket (the ragged buckets are level 0)."""
+    """A candidate 2.5x behind on every uniform coarse bucket but close on a ragged one is pruned from the finer
+    uniform buckets: pruning reads the uniform level-0 buckets only (the ragged buckets are level 0 too)."""
     seen = []
 
     def fake_bucket(cands, spec, phase, shape, device, mode, reps):

@@ -76,7 +76,7 @@ def test_flashinfer_stale_run_function_raises():
         first(1)
 
 
-# ---- plugin code called in the parent never aborts a selection (issue 9 item 10) ----------------------------------
+# ---- plugin code called in the parent never aborts a selection ----------------------------------------------------
 
 def test_availability_turns_plugin_errors_into_reasons():
     from tests.fixtures.fault_backends import BAD_NOTE, BAD_VERSION
@@ -153,7 +153,7 @@ def test_first_use_note_comes_from_the_backend(monkeypatch):
     assert not hasattr(runner, "SLOW_FIRST_USE")
 
 
-# ---- the device a selection is for reaches the availability check (issue 9 item 11) -------------------------------
+# ---- the device a selection is for reaches the availability check -------------------------------------------------
 
 def test_unsupported_gets_the_device_keyword_when_it_takes_it():
     from tests.fixtures.fault_backends import DEVICE_AWARE, OOM

@@ -1,6 +1,6 @@
-"""`attnsel report` as a person reads it (issue 14 items 5-7, issue 10 item 5): it fits an 80-column terminal, long
-reasons are summarised in one line (in full in --json and the log), a phase that cannot be served still gets the
-table / JSON of what was found before exit 3, and the dispatch table is shown and carried in --json."""
+"""`attnsel report` as a person reads it: it fits an 80-column terminal, long reasons are summarised in one line (in
+full in --json and the log), a phase that cannot be served still gets the table / JSON of what was found before exit 3,
+and the dispatch table is shown and carried in --json."""
 import json
 
 import pytest

@@ -137,7 +137,7 @@ def test_layer_specs_agree_with_transformers(name):
 
 @pytest.mark.parametrize("name, key", [("mistral-7b-v0.1", "sliding_window"), ("gemma-2-27b", "attn_logit_softcapping")])
 def test_an_explicit_null_is_a_value_not_a_missing_key(name, key):
-    """Review finding: Mistral v0.3's "sliding_window": null was read as transformers' default window 4096."""
+    """Mistral v0.3's "sliding_window": null means no window, as transformers reads it, not the default 4096."""
     data = json.loads((CONFIGS / f"{name}.json").read_text())
     data[key] = None
     _agree_with_transformers(data)

@@ -47,8 +47,8 @@ def test_grids_are_coarse_first_and_within_the_caps():
     assert {c for lvl, _, c in dec if lvl == 0} == {288, 1056, 4128, 16416}  # every other one and both ends
     base = dict(zip(bucket_grid.DECODE_CTX, bucket_grid.DECODE_CTX_POW2))  # the cap goes by the power of two below
     assert all(bucket_grid.decode_bytes(spec, b, base.get(c, c)) <= bucket_grid.MAX_DECODE_KV_BYTES for _, b, c in dec)
-    # every bucket the power-of-two grid had under the cap is there, 32 tokens on (the review found 64 x 16384,
-    # 128 x 8192 and 256 x 4096 pushed over the 4 GiB cap by the half tile)
+    # every bucket the power-of-two grid had under the cap is there, 32 tokens on (the half tile must not push
+    # 64 x 16384, 128 x 8192 or 256 x 4096 over the 4 GiB cap)
     pow2 = {(b, p) for b in bucket_grid.DECODE_BATCHES for p in bucket_grid.DECODE_CTX_POW2
             if bucket_grid.decode_bytes(spec, b, p) <= bucket_grid.MAX_DECODE_KV_BYTES}
     short = bucket_grid.DECODE_SHORT_CTX
@@ -141,7 +141,7 @@ def test_graph_timing_keeps_each_plan_alive_as_long_as_its_graph(monkeypatch):
     """A CUDA graph holds device pointers, not Python references: the timing must keep each candidate's run function
     (and the buffers its plan allocated) alive while the graph is replayed. On the H200 the Triton plan's split buffers
     were freed after capture, handed to the torch plan's gather indices, and overwritten by Triton's replays (device
-    assert in torch's gather, 2026-12-03). Here the fake capture, like a real graph, keeps no reference to run."""
+    assert in torch's gather). Here the fake capture, like a real graph, keeps no reference to run."""
     import gc
     import types
     import weakref
@@ -331,7 +331,7 @@ def test_a_budget_cut_leaves_gaps_spread_over_the_level():
 
 def test_a_graph_budget_cut_leaves_out_whole_batch_sizes():
     """Graph mode scores a batch size by its geometric mean over contexts; a budget cut must not leave some batch
-    sizes timed at context 256 only (the review found a flat bit-reversed order doing that)."""
+    sizes timed at context 256 only (a flat bit-reversed order would do that)."""
     cuda = torch.device("cuda")
     grid = bucket_grid.decode_grid(AttentionSpec(32, 8, 128, "bf16", 16), cuda, mode="graph", sms=132)
     for cut in range(1, len(grid)):

@@ -293,7 +293,7 @@ def test_torch_decode_speed_vs_the_old_decode(batch, ctx, window, capsys):
 @pytest.mark.parametrize("feature", [{}, {"softcap": 5.0}, {"sinks": True}, {"sliding_window": 8}])
 def test_an_empty_batch_gives_an_empty_output(feature):
     """A step with no sequences (an engine's idle step): out [0, H, D] in decode, [0, H, D] in prefill, on every
-    path (review finding: the softcap/sinks math path raised a raw reshape error at batch 0)."""
+    path, the softcap/sinks math path included (not a raw reshape error at batch 0)."""
     spec = AttentionSpec(8, 2, 64, dtype="fp32", page_size=16, **feature)
     kw = {"sinks": torch.zeros(8)} if feature.get("sinks") else {}
     run = TORCH.plan_decode(spec, torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
@@ -305,7 +305,7 @@ def test_an_empty_batch_gives_an_empty_output(feature):
 
 
 def test_a_cache_of_no_pages_is_named():
-    """Review finding: padding rows over a cache of 0 pages raised a raw IndexError (the gather of page 0)."""
+    """Padding rows over a cache of 0 pages are refused, naming the cache (not a raw IndexError from the gather)."""
     from attnsel.selection import select
 
     sel = select(AttentionSpec(8, 2, 64, dtype="fp32", page_size=16), "torch", "torch", policy="priority",
@@ -313,6 +313,6 @@ def test_a_cache_of_no_pages_is_named():
     run = sel.plan_decode(torch.zeros(2, 0, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^k_cache/v_cache hold 0 pages \(\[0, 16, 2, 64\]\); allowed: at least one"):
         run(torch.randn(2, 8, 64), torch.randn(0, 16, 2, 64), torch.randn(0, 16, 2, 64))
-    # an idle step (no rows) before any page is allocated reads nothing: served (review finding of the fix above)
+    # an idle step (no rows) before any page is allocated reads nothing: served, not refused by the check above
     run = sel.plan_decode(torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
     assert run(torch.randn(0, 8, 64), torch.randn(0, 16, 2, 64), torch.randn(0, 16, 2, 64)).shape == (0, 8, 64)

@@ -308,7 +308,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(checks):
 
 
 def test_version_changes_with_the_kernel_sources(tmp_path, monkeypatch):
-    """Issue 9 item 11: the cache key must change when our kernels change, not only with the triton package."""
+    """The cache key must change when our kernels change, not only with the triton package."""
     import hashlib
     from pathlib import Path
 
@@ -415,7 +415,7 @@ def test_decode_split_plan_merges_on_every_run(merge, monkeypatch):
 
 def test_decode_run_captured_into_a_graph_takes_the_reduce_kernel(monkeypatch):
     """A split plan merges in the decode kernel when run eagerly (one launch), but a run captured into a CUDA graph
-    launches the reduce kernel (H200 2026-12-05: the in-kernel merge 1.02-1.9x slower under graphs); both right."""
+    launches the reduce kernel (on an H200 the in-kernel merge is 1.02-1.9x slower under graphs); both right."""
     import attnsel.backends.support as support
 
     launches = []
@@ -519,9 +519,9 @@ def test_decode_merge_tile_past_the_limit_takes_the_reduce_kernel(monkeypatch):
 
 @pytest.mark.parametrize("window", [pytest.param(None, marks=SLOW), 40], ids=["full", "w40"])
 def test_decode_plan_during_graph_capture_reads_nothing_on_the_host(window, monkeypatch):
-    """A decode plan made during CUDA-graph capture (attnsel.flash_attn_with_kvcache plans there) may not read
-    seq_lens on the host (a sync is an error during capture: the H200 run of 2026-12-04 failed on it): it plans
-    from the page table's width instead, and the run is still right for every row, zero-length ones included."""
+    """A decode plan made during CUDA-graph capture (attnsel.flash_attn_with_kvcache plans there) may not read seq_lens
+    on the host (a sync is an error during capture): it plans from the page table's width instead, and the run is still
+    right for every row, zero-length ones included."""
     from tests.fixtures.host_reads import planning_in_capture
 
     spec = _spec(page_size=16, sliding_window=window)
