@@ -329,8 +329,8 @@ def test_pruning_reads_the_uniform_coarse_grid_only(monkeypatch):
 
 
 def test_a_wrong_longest_is_named_when_metadata_is_checked(monkeypatch):
-    """Newcomer finding: `longest` below the real longest row (or above it) picked a table silently even with
-    ATTNSEL_CHECK_METADATA=1; the check now holds it against seq_lens."""
+    """With ATTNSEL_CHECK_METADATA=1, `longest` is held against seq_lens: a value below the real longest row (or
+    above it) is refused, not used to pick a table silently."""
     monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.dispatch:RECORDERS")
     monkeypatch.setenv("ATTNSEL_CHECK_METADATA", "1")
     data = with_ragged(uniform={k: {"rec_a": v["a"], "rec_b": v["b"]} for k, v in UNIFORM.items()},

@@ -202,9 +202,9 @@ def test_measure_says_where_the_timing_went(caplog):
 def test_first_use_compiles_do_not_eat_the_timing_budget(monkeypatch):
     """Plans and first calls (where Triton compiles) count against the budget only past the allowance
     (PLAN_ALLOWANCE_S, at most PLAN_ALLOWANCE_SHARE of the budget): on a fresh H100 Triton's decode compiles took ~14 s
-    of the budget and the table lost 31 of 106 buckets. Under CUDA graphs too (grid version 8; before, the step, which
-    holds the captures, counted in full and a cold Triton cache cost an H100 35 of 68 graph decode buckets at 8/1
-    heads). A fake clock: each bucket spends 1 s in plans and 0.5 s in samples."""
+    of the budget and the table lost 31 of 106 buckets. Under CUDA graphs too: counted in full, the step that holds
+    the captures let a cold Triton cache cost an H100 35 of 68 graph decode buckets at 8/1 heads. A fake clock: each
+    bucket spends 1 s in plans and 0.5 s in samples."""
     clock = [0.0]
 
     def bucket(cands, spec, phase, shape, device, mode, reps):
