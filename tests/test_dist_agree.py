@@ -67,10 +67,10 @@ def _scenarios(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("agree")
-    ctx = mp.spawn(_scenarios, args=(2, str(out / "store"), str(out)), nprocs=2, join=False)
+def _run_ranks(fn, out) -> list[dict]:
+    """fn on two spawned ranks (a file store under ``out``); each rank's JSON record, or a failure after
+    DEADLINE_S (the ranks killed) where they hang."""
+    ctx = mp.spawn(fn, args=(2, str(out / "store"), str(out)), nprocs=2, join=False)
     deadline = time.monotonic() + DEADLINE_S
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -78,6 +78,11 @@ def records(tmp_path_factory):
                 proc.kill()
             pytest.fail(f"the ranks hung: not done after {DEADLINE_S} s")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    return _run_ranks(_scenarios, tmp_path_factory.mktemp("agree"))
 
 
 def test_same_question_gets_rank0s_answer(records):
@@ -162,14 +167,7 @@ def _agree_ranks(rank: int, world: int, store: str, out_dir: str) -> None:
 def test_rank0_errors_that_do_not_pickle_reach_every_rank_with_their_message(tmp_path):
     """rank 0's decide raises an exception that cannot make the trip (its pickle does not load, or does not dump):
     every rank must still raise promptly with rank 0's message, not wait out decide_timeout or blame the others."""
-    ctx = mp.spawn(_agree_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("the ranks hung")
-    r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    r = _run_ranks(_agree_ranks, tmp_path)
     for name, text in (("lock", "kernel crashed"), ("two_args", "kernel crashed")):
         for rank in range(2):
             got = r[rank][name]
