@@ -66,7 +66,7 @@ from .flash_checks import (
 )
 from .flash_masks import UnsupportedArgument
 from .graph_selection import GRAPH, check_may_select
-from .selection import Selection, announce, select
+from .selection import Selection, announce, backend_settings, select
 from .settings import Settings
 from .spec import AttentionSpec, SpecError, dtype_name
 
@@ -131,7 +131,7 @@ class FlashAttention:
         sel = self._selections.get(key)
         if sel is None:
             env = Settings.from_env()
-            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, "extend": env.extend_backend,
+            opts = {**backend_settings(env, self._options),
                     **self._options,
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)

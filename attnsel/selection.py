@@ -346,6 +346,22 @@ def announce(spec: AttentionSpec, device, cache_dir: str | None = None) -> None:
                      "once per kind of call\n")
 
 
+def backend_settings(env: Settings, options: dict) -> dict[str, str]:
+    """Each phase's backend from its ATTNSEL_<PHASE>_BACKEND variable ("auto" where unset), as the integrations take
+    them; one the options do not override must be "auto" or a registered backend: UnknownBackendError naming the
+    variable and the valid values otherwise (the caller passed no name, so a bare "unknown backend" would not say
+    where it came from)."""
+    from .settings import ENV
+
+    chosen = {p: getattr(env, f"{p}_backend") for p in PHASES}
+    for phase, value in chosen.items():
+        if phase not in options and value != AUTO and value not in backends.names():
+            raise backends.UnknownBackendError(
+                f"{ENV[f'{phase}_backend']}={value!r} (environment variable): unknown backend; expected "
+                f"{', '.join([repr(AUTO)] + backends.names())}")
+    return chosen
+
+
 def default_device() -> str:
     return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 

@@ -42,7 +42,7 @@ from .. import AttentionSpec, Selection, SelectionError, SpecError, select
 from ..run_checks import plan_is_current
 from ..settings import Settings
 from ..graph_selection import check_may_select
-from ..selection import announce
+from ..selection import announce, backend_settings
 from ..spec import DTYPES, dtype_name
 from . import hf_fallback
 from .hf_extend import PrefixReads, paged_extend, paged_page_table
@@ -103,7 +103,7 @@ class HFAttention:
         key = (spec, str(device)) if mode is None else (spec, str(device), mode)
         if key not in self.selections:
             env = Settings.from_env()
-            opts = {"prefill": env.prefill_backend, "decode": env.decode_backend, "extend": env.extend_backend,
+            opts = {**backend_settings(env, self.options),
                     **self.options,
                     **({"mode": mode} if mode else {})}
             check_may_select(spec, mode)
