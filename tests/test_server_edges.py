@@ -33,3 +33,30 @@ def test_hf_names_a_bad_backend_variable_and_an_option_overrides_it(monkeypatch)
         state.selection_for(spec, torch.device("cpu"))
     state.configure(decode="torch")
     assert state.selection_for(spec, torch.device("cpu")).decode == "torch"
+
+
+def test_a_plugin_check_that_calls_sys_exit_costs_the_backend_not_the_server(monkeypatch):
+    """A plugin whose unsupported() calls sys.exit() (a library without a device it can use) is unavailable with the
+    exit as its reason; the selection goes on with torch instead of the server exiting."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.server_plugins:EXITS")
+    spec = attnsel.AttentionSpec(4, 2, 64, "fp32")
+    sel = attnsel.select(spec, policy="priority", prefill_priority=["exits", "torch"], decode_priority=["torch"],
+                         extend_priority=["torch"])
+    found = {c.name: c for c in sel.candidates["prefill"]}["exits"]
+    assert sel.prefill == "torch"
+    assert found.status == "unavailable"
+    assert found.reason == "availability check raised SystemExit: no device this library supports"
+
+
+def test_a_plugin_version_that_is_no_json_value_keys_the_cache_by_its_text(monkeypatch, inproc_worker):
+    """A plugin's version as a packaging-style object (str() gives its text) keys the cache by that text; it does
+    not crash the selection when the cache key is written."""
+    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.server_plugins:OBJECT_VERSION")
+    spec = attnsel.AttentionSpec(4, 2, 64, "fp32")
+    order = ["object_version", "torch"]
+    sel = attnsel.select(spec, policy="priority", prefill_priority=order, decode_priority=order,
+                         extend_priority=order)
+    assert (sel.prefill, sel.decode, sel.extend) == ("object_version",) * 3
+    again = attnsel.select(spec, policy="priority", prefill_priority=order, decode_priority=order,
+                           extend_priority=order)
+    assert again.cache == "hit" and again.prefill == "object_version"

@@ -10,6 +10,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import json
 import logging
 import os
 import re
@@ -279,7 +280,7 @@ def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
     except _Hung as exc:
         log.error("%s", exc)
         return f"availability check did not return: {exc}", None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a library's check: the backend, not the server, goes
         log.exception("availability check of %s for %s raised", name, phase)
         return f"availability check raised {type(exc).__name__}: {exc}", None
     if reason:
@@ -289,9 +290,13 @@ def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
     except _Hung as exc:
         log.error("%s", exc)
         return f"version did not return: {exc}", None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         log.exception("version of %s raised", backend.name)
         return f"version raised {type(exc).__name__}: {exc}", None
+    try:  # part of the cache keys (JSON): a version object (packaging's Version) is keyed by its text
+        json.dumps(version)
+    except (TypeError, ValueError):
+        version = str(version)
     try:
         files = source_files(backend)
         source = source_hash(files) if files else None
