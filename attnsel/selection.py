@@ -424,9 +424,10 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, extend:
     device = _checked_device(device or default_device())
     every = settings.canary if canary_every is None else every_from(canary_every)
     choices = {"prefill": prefill, "decode": decode, "extend": extend}
-    for choice in choices.values():
-        if choice != AUTO:
-            backends.get(choice)
+    for phase, choice in choices.items():  # None or "" (a server's "default") too: named with what is allowed
+        if choice != AUTO and (not isinstance(choice, str) or choice not in backends.names()):
+            raise backends.UnknownBackendError(f"{phase}: expected 'auto' or a backend name ("
+                                               f"{', '.join(backends.names())}), got {choice!r}")
     orders = {"prefill": priority_list("prefill", prefill_priority),
               "decode": priority_list("decode", decode_priority),
               "extend": priority_list("extend", extend_priority)}

@@ -60,3 +60,14 @@ def test_a_plugin_version_that_is_no_json_value_keys_the_cache_by_its_text(monke
     again = attnsel.select(spec, policy="priority", prefill_priority=order, decode_priority=order,
                            extend_priority=order)
     assert again.cache == "hit" and again.prefill == "object_version"
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "extend"])
+@pytest.mark.parametrize("value", [None, "", "bogus"])
+def test_select_names_the_phase_argument_of_a_bad_backend(phase, value):
+    """A server passing None (meaning its default) or a bad name for a phase's backend is told which argument it
+    was and what is allowed, not just "unknown backend None"."""
+    spec = attnsel.AttentionSpec(4, 2, 64, "fp32")
+    expected = rf"^{phase}: expected 'auto' or a backend name \(fa3, .*torch.*\), got {value!r}$"
+    with pytest.raises(UnknownBackendError, match=expected):
+        attnsel.select(spec, **{phase: value})
