@@ -25,7 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from . import backends
-from .selection import DEFAULT_PRIORITY, select
+from .priority import DEFAULT_PRIORITY
+from .selection import select
 from .spec import AttentionSpec
 from .validate import cases, timing
 from .validate.cases import check_output

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from . import __version__, errors, settings
 from .cli_stdout import MarkedStdout, StdoutError
-from .errors import CannotRun, SpecError
+from .cli_backends import BACKEND_FLAGS, check_backend_args, check_names, priority_args
+from .errors import CannotRun, SpecError, UsageError
 
 if TYPE_CHECKING:  # the commands import what they use when they run: --version and --help import no torch
     from rich.console import Console
@@ -31,14 +32,7 @@ FIELD_FLAGS = {"num_q_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "
 FIELD_DESTS = {"num_q_heads": "num_heads", "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "dtype": "dtype",
                "page_size": "page_size", "sliding_window": "sliding_window", "softcap": "softcap", "sinks": "sinks",
                "kv_dtype": "kv_dtype", "softmax_scale": "softmax_scale"}
-# phase -> its flag, then LightLLM's name for it (an alias)
-BACKEND_FLAGS = {"prefill": ("--prefill-backend", "--llm_prefill_att_backend"),
-                 "decode": ("--decode-backend", "--llm_decode_att_backend"), "extend": ("--extend-backend",)}
 EXIT_OUTPUT, EXIT_USAGE, EXIT_UNSERVED = 1, 2, 3  # 1: stdout could not take the output (and a bug's traceback)
-
-
-class UsageError(errors.AttnselError, ValueError):
-    """A flag's value the command refuses (exit 2)."""
 
 
 def seconds(text: str) -> float:
@@ -71,7 +65,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 def add_selection_args(p: argparse.ArgumentParser) -> None:
     from . import backends
     from .bench_args import add_priority_args
-    from .selection import DEFAULT_PRIORITY, MODES, POLICIES
+    from .priority import DEFAULT_PRIORITY
+    from .selection import MODES, POLICIES
 
     opt_in = [n for n in backends.BUILTINS if not any(n in DEFAULT_PRIORITY[ph] for ph in DEFAULT_PRIORITY)]
     g = p.add_argument_group("selection", f"built-in backends: {', '.join(backends.BUILTINS)}. 'auto' "
@@ -161,60 +156,6 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
                         "command takes one attention shape: give --sliding-window W to use one window for every "
                         "layer, or the shape flags without --config")
     return kinds[0][1]
-
-
-def _backend_choice(args: argparse.Namespace, phase: str) -> tuple[str, str]:
-    """(value, where it came from in words): the flag, else the environment variable, else auto."""
-    from .selection import AUTO
-
-    flag = BACKEND_FLAGS[phase][0]
-    value = getattr(args, phase)
-    if value is not None:  # argparse takes unambiguous prefixes too: name the flag they stand for
-        typed = [f for a in getattr(args, "argv", []) if a.startswith("--") and len(a.split("=", 1)[0]) > 2
-                 for f in BACKEND_FLAGS[phase] if f.startswith(a.split("=", 1)[0])]
-        return value, (typed[-1] if typed else flag)  # the last one given wins in argparse
-    env, value = settings.ENV[f"{phase}_backend"], settings.read(f"{phase}_backend")
-    if value != AUTO:
-        return value, f"{env}={value} (environment variable)"
-    return AUTO, flag
-
-
-def _check_backend_choice(where: str, value: str, allow_auto: bool = True) -> None:
-    """UnknownBackendError naming ``where`` (a flag or an environment variable) when value is not a backend."""
-    from . import backends
-    from .selection import AUTO
-
-    valid = ([AUTO] if allow_auto else []) + backends.names()
-    if value not in valid:
-        raise backends.UnknownBackendError(f"{where}: unknown backend {value!r}; valid: {', '.join(valid)}")
-
-
-def check_backend_args(args: argparse.Namespace) -> None:
-    """Resolve --prefill-backend etc. from the environment and check every backend name given, naming its source."""
-    for phase in ("prefill", "decode", "extend"):
-        value, where = _backend_choice(args, phase)
-        _check_backend_choice(where, value)
-        setattr(args, phase, value)
-        if value != "auto" and getattr(args, f"{phase}_priority") is not None:  # select() would drop the list
-            raise UsageError(f"--{phase}-priority sets {phase}'s auto candidates, but {where} names {value}: give one")
-    _priority_args(args)
-
-
-def _priority_args(args: argparse.Namespace) -> dict:
-    """The --PHASE-priority lists given, as select()'s keyword arguments, every name checked."""
-    given = {f"{p}_priority": getattr(args, f"{p}_priority") for p in ("prefill", "decode", "extend")
-             if getattr(args, f"{p}_priority") is not None}
-    for flag, names in given.items():
-        _check_names(f"--{flag.replace('_', '-')}", names)
-    return given
-
-
-def _check_names(flag: str, names: list[str]) -> None:
-    """A list flag of backend names (--backends, --PHASE-priority): at least one name, each a backend."""
-    if not names:  # "" or ",": the command would go on with its default silently
-        raise UsageError(f"{flag} names no backend; give A,B,..., or leave the flag out for the default")
-    for name in names:
-        _check_backend_choice(flag, name, allow_auto=False)
 
 
 def run_selection(args: argparse.Namespace, spec: AttentionSpec | None = None) -> Selection:
@@ -362,8 +303,8 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> int:
     base = spec_from_args(args) if given else None  # bad input is exit 2 on any machine
     base = bench_args.parse_specs(args.specs, args.page_size) if args.specs is not None else base
     if args.backends is not None:
-        _check_names("--backends", args.backends)
-    priority = _priority_args(args)
+        check_names("--backends", args.backends)
+    priority = priority_args(args)
     bench_args.check_untimed(args.backends, priority)
     if args.repeats < 1:
         raise UsageError(f"--repeats must be a whole number of passes, at least 1; got {args.repeats}")

@@ -26,3 +26,7 @@ class SpecError(AttnselError, ValueError):
 class CannotRun(AttnselError, RuntimeError):
     """The input is fine but this machine or installation cannot do it (CLI exit 3): a device it lacks (CUDA for
     `bench`, `--mode graph` or `--device cuda`), a missing optional extra (`attnsel serve`)."""
+
+
+class UsageError(AttnselError, ValueError):
+    """A command-line flag's value the command refuses (exit 2)."""

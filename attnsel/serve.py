@@ -171,7 +171,7 @@ def _sigterm_as_interrupt():
 
 
 def cmd_serve(args: argparse.Namespace, out) -> int:
-    from .cli import check_backend_args
+    from .cli_backends import check_backend_args
 
     # the selection flags as `attnsel select` checks them (names, a priority list a named backend would drop), on a
     # copy: an unset backend flag still reaches register as None (the environment's choice at selection time)

@@ -7,7 +7,7 @@ import torch
 from attnsel.backends import get, graph_stale_reason
 from attnsel.backends.fa3 import FP8_MAX, quantize_q_rows, token_rows
 from attnsel.backends.flashinfer import _extend_layout
-from attnsel.selection import DEFAULT_PRIORITY
+from attnsel.priority import DEFAULT_PRIORITY
 from attnsel.spec import AttentionSpec
 from attnsel.validate import yardstick
 from tests.fixtures.extend_cases import make_batch, reference

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from attnsel.cli import main
-from attnsel.selection import DEFAULT_PRIORITY
+from attnsel.priority import DEFAULT_PRIORITY
 from attnsel.validate import timing
 
 SMALL = ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "fp16"]
