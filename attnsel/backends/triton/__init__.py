@@ -248,13 +248,12 @@ class TritonBackend:
                                                                 page_table.shape[1] * spec.page_size)
         sms = (torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
                if seq_lens.device.type == "cuda" else None)
+        split_bytes = batch * spec.num_q_heads * tile_d(spec.head_dim) * 4  # partial outputs per split (float32)
         splits, target, min_chunk = decode_splits(batch, spec.num_kv_heads, max(max_len, 1), max(total_len, 1),
-                                                  cfg.block_n, sms, ragged_room=room,
-                                                  split_bytes=batch * spec.num_q_heads * tile_d(spec.head_dim) * 4)
+                                                  cfg.block_n, sms, ragged_room=room, split_bytes=split_bytes)
         ordered = decode_ordered(batch, spec.num_kv_heads, sms)
         if ordered and room and splits < ORDER_ROOM_SPLITS:  # at most ROOM_BYTES of partial outputs, as the room
-            splits = max(splits, min(ORDER_ROOM_SPLITS,
-                                     ROOM_BYTES // (batch * spec.num_q_heads * tile_d(spec.head_dim) * 4)))
+            splits = max(splits, min(ORDER_ROOM_SPLITS, ROOM_BYTES // split_bytes))
         block_d = tile_d(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
         block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
