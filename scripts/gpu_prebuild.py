@@ -1,9 +1,9 @@
 """Build FlashInfer's JIT modules before a timed run: each argument NAME:KV:PHASE runs that backend once on the
 validation's ragged case of the phase, judged row by row against the float32 reference. The spec: 32/8 heads,
-head_dim 128, bf16, page 16 (KV: bf16 or fp8_e4m3); with ``--config CFG.json --kind KIND`` the spec of that layer kind of a Hugging Face config instead
-(``attnsel.spec.layer_specs``; KV fp8_e4m3 makes its cache fp8). Run several of these processes at once: each
-module's build is mostly one single-threaded compiler job. A backend that cannot serve the spec (its reason) is
-skipped, not an error.
+head_dim 128, bf16, page 16 (KV: bf16 or fp8_e4m3); with ``--config CFG.json --kind KIND`` the spec of that layer
+kind of a Hugging Face config instead (``attnsel.spec.layer_specs``; KV fp8_e4m3 makes its cache fp8). Run several
+of these processes at once: each module's build is mostly one single-threaded compiler job. A backend that cannot
+serve the spec (its reason) is skipped, not an error.
 
 PHASE: prefill, decode or extend (new tokens over a paged prefix).
 

@@ -153,7 +153,8 @@ def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: tor
         paged_kernel[(programs, spec.num_kv_heads, splits)](
             q, k_cache, v_cache, table, lens, out, o_part, lse_part, arrived, sinks,
             k_scale if fp8 else None, v_scale if fp8 else None, scale_in, splits, row_target, min_chunk, batch,
-            heads, spec.num_kv_heads, None, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            heads, spec.num_kv_heads, None, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
             out.stride(0), out.stride(1), *part_strides, cu_q, q_tiles,
             GROUP=spec.group_size, BLOCK_G=tiles.block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
