@@ -234,6 +234,11 @@ def _one_reason(reason) -> str | None:
     return str(reason) if reason else None
 
 
+# what a plugin's call may raise and lose its backend by: all but a user's Ctrl-C (GeneratorExit and SystemExit too)
+_FAULTS = (Exception, SystemExit, GeneratorExit)
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 class _Hung(Exception):
     """A plugin call in the selecting process did not return in time."""
 
@@ -280,7 +285,7 @@ def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
     except _Hung as exc:
         log.error("%s", exc)
         return f"availability check did not return: {exc}", None
-    except (Exception, SystemExit) as exc:  # sys.exit() in a library's check: the backend, not the server, goes
+    except _FAULTS as exc:  # sys.exit() in a library's check: the backend, not the server, goes
         log.exception("availability check of %s for %s raised", name, phase)
         return f"availability check raised {type(exc).__name__}: {exc}", None
     if reason:
@@ -290,13 +295,20 @@ def availability(backend: Backend, spec: AttentionSpec, phase: Phase,
     except _Hung as exc:
         log.error("%s", exc)
         return f"version did not return: {exc}", None
-    except (Exception, SystemExit) as exc:
+    except _FAULTS as exc:
         log.exception("version of %s raised", backend.name)
         return f"version raised {type(exc).__name__}: {exc}", None
     try:  # part of the cache keys (JSON): a version object (packaging's Version) is keyed by its text
         json.dumps(version)
     except (TypeError, ValueError):
-        version = str(version)
+        try:
+            text = str(version)
+        except _FAULTS as exc:
+            return f"version {type(version).__name__} has no text: str() raised {type(exc).__name__}: {exc}", None
+        if _ADDRESS.search(text):  # object's repr: another address every run, a cache key never hit again
+            return (f"version {type(version).__name__} has no stable text ({text[:80]!r} holds an object's address): "
+                    "the cache key would change every run; return a string"), None
+        version = text
     try:
         files = source_files(backend)
         source = source_hash(files) if files else None
