@@ -11,6 +11,7 @@ from .selection import MODES
 from .spec import DTYPES, AttentionSpec, SpecError, short_dtype_name
 
 SPEC_FORMAT = "Q/KV[/HEAD_DIM][/DTYPE][/pPAGE]"
+_FEATURE = re.compile(r"(soft|cap|win|w[0-9]|sw|slid|sink|fp8|e4m3|e5m2|kv|scale)", re.IGNORECASE)
 
 
 def comma_names(text: str) -> list[str]:
@@ -104,6 +105,11 @@ def parse_specs(text: str, page_size: int | None) -> list[AttentionSpec]:
                     field, value = "page_size", int(extra[1:])
                 elif short_dtype_name(extra) in DTYPES:
                     field, value = "dtype", short_dtype_name(extra)
+                elif _FEATURE.match(extra):  # a model feature: named as one, not as a bad field
+                    raise SpecError(f"{extra!r} looks like a model feature; --specs items give heads, head_dim, dtype "
+                                    "and page size only: bench a spec with a sliding window, softcap, sinks or an "
+                                    "fp8 KV cache with the spec flags (--sliding-window, --softcap, --sinks, "
+                                    "--kv-dtype)")
                 else:
                     raise SpecError(f"{extra!r} is neither a head_dim, a dtype ({', '.join(DTYPES)}) nor a page "
                                     "size (p1, p16, ...)")
