@@ -401,6 +401,11 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, extend:
         if choice != AUTO and (not isinstance(choice, str) or choice not in backends.names()):
             raise backends.UnknownBackendError(f"{phase}: expected 'auto' or a backend name ("
                                                f"{', '.join(backends.names())}), got {choice!r}")
+    given = {"prefill": prefill_priority, "decode": decode_priority, "extend": extend_priority}
+    for phase, choice in choices.items():  # the list would be dropped unread
+        if choice != AUTO and given[phase] is not None:
+            raise InvalidArgument(f"{phase}_priority sets {phase}'s automatic candidates, but {phase}={choice!r} "
+                                  "names one backend: give one")
     orders = {"prefill": priority_list("prefill", prefill_priority),
               "decode": priority_list("decode", decode_priority),
               "extend": priority_list("extend", extend_priority)}

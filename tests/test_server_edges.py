@@ -5,6 +5,7 @@ import torch
 import attnsel
 from attnsel import flash_api
 from attnsel.backends import UnknownBackendError
+from attnsel.errors import InvalidArgument
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode", "extend"])
@@ -71,3 +72,12 @@ def test_select_names_the_phase_argument_of_a_bad_backend(phase, value):
     expected = rf"^{phase}: expected 'auto' or a backend name \(fa3, .*torch.*\), got {value!r}$"
     with pytest.raises(UnknownBackendError, match=expected):
         attnsel.select(spec, **{phase: value})
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "extend"])
+def test_select_refuses_a_priority_list_for_a_phase_that_names_a_backend(phase):
+    """A *_priority list sets an automatic phase's candidates; given with a named backend for that phase it would be
+    dropped unread, so select() refuses the pair, naming both (the CLI refuses --PHASE-priority with --PHASE-backend)."""
+    spec = attnsel.AttentionSpec(4, 2, 64, "fp32")
+    with pytest.raises(InvalidArgument, match=rf"{phase}_priority.*{phase}='torch'.*give one"):
+        attnsel.select(spec, policy="priority", **{phase: "torch", f"{phase}_priority": ["torch"]})
