@@ -207,3 +207,20 @@ def test_bench_script_reports_the_rules_choice_not_the_default():
                           cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert all(line.endswith("auto on at 132 SMs") for line in proc.stdout.splitlines()), proc.stdout
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_split_plan_sums_every_row_of_a_batch_past_one_lens_block(ordered, monkeypatch):
+    """The split plan sums the batch's lengths LENS_BLOCK rows at a time; over three blocks it gives the splits (and
+    so the bits) of one block holding the whole batch, and the float32 reference's numbers row by row. The chunk is
+    set so that the total decides the splits: a sum of the first block alone would split the long rows more."""
+    spec = AttentionSpec(4, 2, 64, dtype="fp16", page_size=16)
+    lens = [(37 * b) % 190 + 1 for b in range(40)]
+    monkeypatch.setattr(tb, "MERGE_IN_DECODE_KERNEL", True)
+    monkeypatch.setattr(tb, "decode_splits", lambda *a, **k: (4, 64, 16))
+    case = decode_case(spec, CPU, lens)
+    monkeypatch.setattr(tb, "LENS_BLOCK", 16)
+    out = _plan(spec, *case.plan_args, ordered)(*case.inputs, **case.kwargs)
+    _check_rows(spec, case, out, _reference(spec, case, lens))
+    monkeypatch.setattr(tb, "LENS_BLOCK", 64)
+    assert torch.equal(_plan(spec, *case.plan_args, ordered)(*case.inputs, **case.kwargs), out)

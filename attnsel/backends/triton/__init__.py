@@ -90,6 +90,9 @@ MERGE_TILE_MAX = 8192  # splits (rounded up to a power of 2) x head_dim (rounded
 # selection validates decode on a small batch, which the rule leaves unordered, so an ordered launch would serve
 # large batches that only the CPU tests and the compile check have run.
 ORDER_MIN_PROGRAMS_PER_SM = 2
+# The split plan sums the batch's lengths in every program, LENS_BLOCK rows at a time (a runtime loop, so one compile
+# serves every batch size; a block of the batch's size would compile once per power of two).
+LENS_BLOCK = 128
 ORDER_ROWS: bool | None = False
 # The fewest splits an ordered plan keeps for a ragged replay of a plan made on rows of one length (decode_splits'
 # ragged_room): 1 adds none to decode_splits' room, which is 1 split from 256 rows of 8 KV heads up on 132 SMs (a
@@ -256,7 +259,6 @@ class TritonBackend:
             splits = max(splits, min(ORDER_ROOM_SPLITS, ROOM_BYTES // split_bytes))
         block_d = tile_d(spec.head_dim)
         block_g = max(16, triton_next_pow2(spec.group_size))  # tl.dot needs M >= 16
-        block_b = triton_next_pow2(max(batch, 1))  # the split plan sums the batch's lengths in each program
         block_s = triton_next_pow2(splits)
         device = seq_lens.device
         # the kernels read LENS + b and page-table rows at stride(0)
@@ -312,7 +314,7 @@ class TritonBackend:
                 out.stride(0), out.stride(-2), *part_strides, None, 1,
                 GROUP=spec.group_size, BLOCK_G=block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
                 PAGE_SIZE=spec.page_size, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
-                BLOCK_B=block_b, BLOCK_S=block_s, MERGE=merge, WINDOW=window, SOFTCAP=softcap,
+                BLOCK_B=LENS_BLOCK, BLOCK_S=block_s, MERGE=merge, WINDOW=window, SOFTCAP=softcap,
                 HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast, BLOCK_Q=1, ORDERED=ordered,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if splits > 1 and not merge:

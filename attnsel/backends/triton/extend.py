@@ -75,8 +75,8 @@ def _check_plan_args(cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_l
 def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                 max_seqlen_q: int, max_seq_len: int) -> RunFn:
     """TritonBackend.plan_extend (the Backend protocol's contract)."""
-    from . import (INT32_OFFSETS, MERGE_IN_DECODE_KERNEL, MERGE_TILE_MAX, _check_sinks, _scale_args, decode_splits,
-                   interpreted, tile_d, triton_next_pow2)
+    from . import (INT32_OFFSETS, LENS_BLOCK, MERGE_IN_DECODE_KERNEL, MERGE_TILE_MAX, _check_sinks, _scale_args,
+                   decode_splits, interpreted, tile_d, triton_next_pow2)
     from .kernels import paged_kernel, paged_reduce_kernel
 
     _check_plan_args(cu_seqlens_q, page_table, seq_lens, max_seqlen_q, max_seq_len)
@@ -136,7 +136,6 @@ def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: tor
     window = spec.sliding_window or 0
     fp8 = spec.kv_dtype is not None
     upcast = interpreted()
-    block_b = triton_next_pow2(max(batch, 1))
 
     def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, sinks: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,7 +158,7 @@ def plan_extend(spec: AttentionSpec, cu_seqlens_q: torch.Tensor, page_table: tor
             out.stride(0), out.stride(1), *part_strides, cu_q, q_tiles,
             GROUP=spec.group_size, BLOCK_G=tiles.block_g, HEAD_DIM=spec.head_dim, BLOCK_D=block_d,
             PAGE_SIZE=spec.page_size, BLOCK_N=tiles.block_n, SPLIT=splits > 1,
-            BLOCK_B=block_b, BLOCK_S=block_s, MERGE=merge, WINDOW=window, SOFTCAP=softcap,
+            BLOCK_B=LENS_BLOCK, BLOCK_S=block_s, MERGE=merge, WINDOW=window, SOFTCAP=softcap,
             HAS_SINKS=sinks is not None, FP8=fp8, UPCAST=upcast, BLOCK_Q=tiles.block_q, ORDERED=False,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         if splits > 1 and not merge:

@@ -322,10 +322,13 @@ def paged_kernel(Q, K, V, PT, LENS, O, O_part, LSE_part, ARRIVED, SINKS, K_SCALE
     span = hi - lo
     used = 1
     if SPLIT:
-        offs_b = tl.arange(0, BLOCK_B)
-        spans = tl.load(LENS + offs_b, mask=offs_b < batch, other=0).to(tl.int64)
-        if WINDOW > 0:
-            spans = tl.minimum(spans, WINDOW)
+        spans = tl.zeros([BLOCK_B], tl.int64)  # the batch's lengths summed BLOCK_B at a time: one compile
+        for start in range(0, batch, BLOCK_B):  # serves every batch size
+            offs_b = start + tl.arange(0, BLOCK_B)
+            more = tl.load(LENS + offs_b, mask=offs_b < batch, other=0).to(tl.int64)
+            if WINDOW > 0:
+                more = tl.minimum(more, WINDOW)
+            spans += more
         chunk = tl.maximum(tl.sum(spans, 0) * kv_heads // target, min_chunk)
         used = tl.maximum(tl.minimum((span + chunk // 2) // chunk, num_splits), 1).to(tl.int32)
         if not MERGE:
