@@ -63,7 +63,7 @@ def test_other_spec_or_explicit_choice(monkeypatch):
     select(SPEC, policy="priority", **PAIR)
     # an explicit choice of an already validated backend needs no new validation
     before = runner.spawn_count
-    sel = select(SPEC, prefill="torch", decode="torch_copy", policy="priority", **PAIR)
+    sel = select(SPEC, prefill="torch", decode="torch_copy", policy="priority", extend_priority=PAIR["extend_priority"])
     assert runner.spawn_count == before and sel.decode == "torch_copy" and sel.decode_source == "explicit"
     # another spec is another key
     other = select(AttentionSpec(4, 4, 64, "fp16"), policy="priority", **PAIR)
