@@ -1,8 +1,9 @@
 """attnsel: one attention API over several kernel libraries, with validated automatic backend selection.
 
-Public surface: ``AttentionSpec``, ``select`` (returns a ``Selection`` whose ``plan_prefill``/``plan_decode`` give
-the per-layer run functions), and the errors a user can see: ``SpecError`` (a bad spec field or config),
-``UnknownBackendError`` (a backend name that is not registered) and ``SelectionError`` (a phase cannot be served).
+Public surface: ``AttentionSpec``, ``select`` (returns a ``Selection`` whose ``plan_prefill``/``plan_decode``/
+``plan_extend`` give the per-layer run functions), and the errors a user can see: ``SpecError`` (a bad spec field or
+config), ``UnknownBackendError`` (a backend name that is not registered), ``InvalidArgument`` (a ValueError: another
+bad argument) and ``SelectionError`` (a phase cannot be served).
 ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``: FlashAttention-3-compatible calls over the selection
 (``UnsupportedArgument``: a FlashAttention argument attnsel does not serve was given).
 
@@ -15,12 +16,13 @@ import importlib.util
 __version__ = "0.2.0"
 
 # public name -> the module that defines it
-_EXPORTS = {"AttentionSpec": "spec", "SpecError": "spec", "Selection": "selection", "SelectionError": "selection",
-            "select": "selection", "UnknownBackendError": "backends", "UnsupportedArgument": "flash_api",
-            "flash_attn_varlen_func": "flash_api", "flash_attn_with_kvcache": "flash_api"}
+_EXPORTS = {"AttentionSpec": "spec", "SpecError": "spec", "InvalidArgument": "errors", "Selection": "selection",
+            "SelectionError": "selection", "select": "selection", "UnknownBackendError": "backends",
+            "UnsupportedArgument": "flash_api", "flash_attn_varlen_func": "flash_api",
+            "flash_attn_with_kvcache": "flash_api"}
 
-__all__ = ["AttentionSpec", "Selection", "SelectionError", "SpecError", "UnknownBackendError", "select",
-           "UnsupportedArgument", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]
+__all__ = ["AttentionSpec", "InvalidArgument", "Selection", "SelectionError", "SpecError", "UnknownBackendError",
+           "select", "UnsupportedArgument", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]
 
 
 def __getattr__(name: str):

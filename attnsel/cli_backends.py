@@ -45,8 +45,9 @@ def check_backend_args(args: argparse.Namespace) -> None:
         value, where = _backend_choice(args, phase)
         _check_backend_choice(where, value)
         setattr(args, phase, value)
-        if value != "auto" and getattr(args, f"{phase}_priority") is not None:  # select() would drop the list
-            raise UsageError(f"--{phase}-priority sets {phase}'s auto candidates, but {where} names {value}: give one")
+        if value != "auto" and getattr(args, f"{phase}_priority") is not None:  # select() refuses the pair too
+            raise UsageError(f"--{phase}-priority sets {phase}'s auto candidates, but {where} names {value}: give "
+                             "the backend or the list, not both")
     priority_args(args)
 
 

@@ -28,7 +28,9 @@ def priority_list(phase: Phase, given: list[str] | tuple[str, ...] | None) -> li
         given = [n.strip() for n in given.split(",") if n.strip()]
     if given:
         for name in given:
-            backends.get(name)  # UnknownBackendError lists the valid names
+            if not isinstance(name, str) or name not in backends.names():
+                raise backends.UnknownBackendError(f"{phase}_priority: unknown backend {name!r}; valid names: "
+                                                   f"{', '.join(backends.names())}")
         return list(dict.fromkeys(given))
     default = list(DEFAULT_PRIORITY[phase])
     plugins = [n for n in backends.names() if n not in backends.BUILTINS]

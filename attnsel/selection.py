@@ -405,7 +405,7 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, extend:
     for phase, choice in choices.items():  # the list would be dropped unread
         if choice != AUTO and given[phase] is not None:
             raise InvalidArgument(f"{phase}_priority sets {phase}'s automatic candidates, but {phase}={choice!r} "
-                                  "names one backend: give one")
+                                  "names one backend: give the backend or the list, not both")
     orders = {"prefill": priority_list("prefill", prefill_priority),
               "decode": priority_list("decode", decode_priority),
               "extend": priority_list("extend", extend_priority)}

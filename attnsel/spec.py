@@ -30,7 +30,8 @@ def short_dtype_name(text: str) -> str:
 class AttentionSpec:
     """Attention of one kind of model layer: what every backend is checked and validated against.
 
-    - dtype: activations (q, k, v, out): "bf16", "fp16" or "fp32".
+    - dtype: activations (q, k, v, out): "bf16", "fp16" or "fp32" (torch's names and dtypes are taken and stored
+      as these).
     - softmax_scale: None means 1/sqrt(head_dim).
     - sliding_window: None, or w > 0 tokens: query at absolute position i attends to keys j with i - w < j <= i
       (w keys, itself included; FlashAttention's ``window_size=(w - 1, 0)``, FlashInfer's ``window_left=w - 1``,
@@ -63,8 +64,13 @@ class AttentionSpec:
         if self.num_q_heads % self.num_kv_heads:
             raise SpecError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
                             f"({self.num_kv_heads})")
+        if isinstance(self.dtype, torch.dtype) and self.dtype in DTYPES.values():  # as the CLI: one short name
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        elif isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", short_dtype_name(self.dtype))
         if self.dtype not in DTYPES:
-            raise SpecError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise SpecError(f"dtype must be one of {', '.join(DTYPES)} (or torch's name or dtype for one: bfloat16, "
+                            f"float16/half, float32/float), got {self.dtype!r}")
         if self.softmax_scale is not None and not (self.softmax_scale > 0 and math.isfinite(self.softmax_scale)):
             raise SpecError(f"softmax_scale must be a positive finite number or None, got {self.softmax_scale!r}")
         window = self.sliding_window

@@ -365,7 +365,7 @@ def test_select_refuses_a_priority_list_for_a_phase_named_explicitly(capsys, mon
         code, out, err = run(capsys, command, *SMALL, *argv, "--decode-priority", "triton,torch")
         assert (code, out) == (2, "")
         assert err.strip() == (f"attnsel: error: --decode-priority sets decode's auto candidates, but {where} names "
-                               "torch: give one")
+                               "torch: give the backend or the list, not both")
 
 
 def test_bench_refuses_a_priority_name_that_backends_leaves_untimed(capsys, monkeypatch):

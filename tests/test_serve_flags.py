@@ -35,9 +35,9 @@ def serve_main(monkeypatch, tmp_path, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--extend-backend", "bogus"], "--extend-backend: unknown backend 'bogus'; valid: auto, "),
     (["--extend-backend", "torch", "--extend-priority", "triton"],
-     "--extend-priority sets extend's auto candidates, but --extend-backend names torch: give one"),
+     "--extend-priority sets extend's auto candidates, but --extend-backend names torch: give the backend or the list, not both"),
     (["--decode-backend", "torch", "--decode-priority", "triton"],
-     "--decode-priority sets decode's auto candidates, but --decode-backend names torch: give one"),
+     "--decode-priority sets decode's auto candidates, but --decode-backend names torch: give the backend or the list, not both"),
     (["--extend-priority", ","], "--extend-priority names no backend"),
     (["--extend-priority", "torch,bogus"], "--extend-priority: unknown backend 'bogus'"),
 ])

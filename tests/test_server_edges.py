@@ -5,7 +5,6 @@ import torch
 import attnsel
 from attnsel import flash_api
 from attnsel.backends import UnknownBackendError
-from attnsel.errors import InvalidArgument
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode", "extend"])
@@ -79,5 +78,14 @@ def test_select_refuses_a_priority_list_for_a_phase_that_names_a_backend(phase):
     """A *_priority list sets an automatic phase's candidates; given with a named backend for that phase it would be
     dropped unread, so select() refuses the pair, naming both (the CLI refuses --PHASE-priority with --PHASE-backend)."""
     spec = attnsel.AttentionSpec(4, 2, 64, "fp32")
-    with pytest.raises(InvalidArgument, match=rf"{phase}_priority.*{phase}='torch'.*give one"):
+    with pytest.raises(attnsel.InvalidArgument, match=rf"{phase}_priority.*{phase}='torch'.*give the backend or the list, not both"):
         attnsel.select(spec, policy="priority", **{phase: "torch", f"{phase}_priority": ["torch"]})
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "extend"])
+def test_a_misspelled_priority_entry_names_its_argument(phase):
+    """select()'s *_priority lists are checked name by name; the error names the list it came from (the CLI names
+    its flag) and the valid names."""
+    spec = attnsel.AttentionSpec(4, 2, 64, "fp32")
+    with pytest.raises(UnknownBackendError, match=rf"^{phase}_priority: unknown backend 'torhc'; valid names: .*torch"):
+        attnsel.select(spec, policy="priority", **{f"{phase}_priority": ["torhc", "torch"]})

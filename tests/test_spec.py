@@ -1,8 +1,9 @@
 import json
 
 import pytest
+import torch
 
-from attnsel.spec import AttentionSpec, SpecError
+from attnsel.spec import DTYPES, AttentionSpec, SpecError
 
 
 def test_from_hf_config_reads_heads_head_dim_and_dtype(tmp_path):
@@ -308,3 +309,18 @@ def test_a_diffusion_gemma_config_is_refused():
     with pytest.raises(SpecError, match="model_type 'diffusion_gemma_text': a bidirectional"):
         layer_specs({"model_type": "diffusion_gemma_text", "num_attention_heads": 4, "num_key_value_heads": 2,
                      "head_dim": 16, "num_hidden_layers": 2})
+
+
+@pytest.mark.parametrize("given,stored", [("bfloat16", "bf16"), ("Float16", "fp16"), ("half", "fp16"),
+                                          ("float", "fp32"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")])
+def test_dtype_takes_torchs_names_and_dtypes_as_the_cli_does(given, stored):
+    """A dtype as torch names it (or the torch dtype itself) is stored in the short form: one spec, one cache key."""
+    spec = AttentionSpec(8, 2, 64, dtype=given)
+    assert spec.dtype == stored and spec == AttentionSpec(8, 2, 64, dtype=stored)
+    assert spec.torch_dtype == DTYPES[stored]
+
+
+@pytest.mark.parametrize("given", ["bf8", "int8", torch.float8_e4m3fn, torch.int32, 16])
+def test_a_dtype_attnsel_does_not_serve_names_the_allowed_ones(given):
+    with pytest.raises(SpecError, match=r"dtype must be one of bf16, fp16, fp32 \(or torch's name"):
+        AttentionSpec(8, 2, 64, dtype=given)
