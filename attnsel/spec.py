@@ -68,7 +68,7 @@ class AttentionSpec:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
         elif isinstance(self.dtype, str):
             object.__setattr__(self, "dtype", short_dtype_name(self.dtype))
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {', '.join(DTYPES)} (or torch's name or dtype for one: bfloat16, "
                             f"float16/half, float32/float), got {self.dtype!r}")
         if self.softmax_scale is not None and not (self.softmax_scale > 0 and math.isfinite(self.softmax_scale)):

@@ -320,7 +320,7 @@ def test_dtype_takes_torchs_names_and_dtypes_as_the_cli_does(given, stored):
     assert spec.torch_dtype == DTYPES[stored]
 
 
-@pytest.mark.parametrize("given", ["bf8", "int8", torch.float8_e4m3fn, torch.int32, 16])
+@pytest.mark.parametrize("given", ["bf8", "int8", torch.float8_e4m3fn, torch.int32, 16, ["bf16"], None])
 def test_a_dtype_attnsel_does_not_serve_names_the_allowed_ones(given):
     with pytest.raises(SpecError, match=r"dtype must be one of bf16, fp16, fp32 \(or torch's name"):
         AttentionSpec(8, 2, 64, dtype=given)
