@@ -468,12 +468,15 @@ def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.
     step: the layers share it): the sum keys the dispatch (the batch's mean context), and a length past what the
     page table holds (or below 0) is a ValueError, not a kernel reading
     other sequences' pages or, with new tokens, a write over a cached token (the slot would be clamped to the
-    table's last page). During capture nothing is read (no sync is allowed); the write stays clamped to the table."""
+    table's last page); so are the new tokens' page ids (kv_append.write refuses one outside the caches). During
+    capture nothing is read (no sync is allowed); the write stays clamped to the table."""
     capacity = page_table.shape[1] * page_size
     max_len, context = capacity, None  # during capture: the table's capacity (graph mode keys on the batch alone)
+    slots = kv_append.plan_slots(page_table, cache_seqlens, page_size) if append else None
     if not capturing and cache_seqlens.numel():
         lens64 = cache_seqlens.long()
-        low, high, total = torch.stack((lens64.min(), lens64.max(), lens64.sum())).tolist()
+        low, high, total, *pages = torch.stack((lens64.min(), lens64.max(), lens64.sum(),
+                                                *(kv_append.page_extremes(slots) if append else ()))).tolist()
         if low < 0 or high + append > capacity:
             what = (f"page_table {tuple(page_table.shape)} holds {capacity} tokens per sequence ({page_table.shape[1]} "
                     f"pages of {page_size}), too few for {high} cached{' + 1 new' if append else ''} (the largest "
@@ -483,7 +486,7 @@ def _plan_decode(sel: Selection, page_table: torch.Tensor, cache_seqlens: torch.
         # the dispatch's context from the same read: the batch's tokens (each row's new one included), not the
         # table's width (an engine sizes its table for the longest context it serves)
         max_len, context = high + append, total + append * cache_seqlens.shape[0]
-    slots = kv_append.plan_slots(page_table, cache_seqlens, page_size) if append else None
+        slots = slots._replace(pages=tuple(pages)) if append else slots
     lens = cache_seqlens + 1 if append else cache_seqlens
     # q and out in FA3's [batch, 1, H, D]: FA3 and Triton take it as it is, other backends get views
     # outside capture max_len is the exact longest row (the ragged buckets read it); during capture no context

@@ -130,7 +130,7 @@ class ExtendCalls:
             check_pages = getattr(plan.run, "check_pages", None)  # ATTNSEL_CHECK_METADATA: before the write
             if check_pages is not None:
                 check_pages(k_cache)
-            kv_append.write(k_cache, v_cache, call.k, call.v, plan.slots)  # in place, strided caches too
+            kv_append.write(k_cache, v_cache, call.k, call.v, plan.slots, func)  # in place, strided too
         out = plan.run(call.q, k_cache, v_cache, **call.extra, **call.scales)
         return out.view(q.shape) if call.seqlen_q is not None else out
 
@@ -183,24 +183,28 @@ def _plan(sel, call: ExtendCall, cu_seqlens_q, page_table: torch.Tensor, page_si
             cu_new = torch.arange(batch + 1, dtype=torch.int32, device=device) * call.new_len
         seq_lens = cached + (cu_new[1:] - cu_new[:-1])
     max_len, context = page_table.shape[1] * page_size, None  # during capture: the table's capacity
-    if not capturing and batch:
-        max_len, context = _read_and_check(call, cu_q, cached, seq_lens, cu_new if append else None, page_table,
-                                           page_size, func, lens_name)
     slots = (kv_append.plan_new_slots(page_table, cached, cu_new, call.k.shape[0], page_size) if append else None)
+    if not capturing and batch:
+        max_len, context, pages = _read_and_check(call, cu_q, cached, seq_lens, cu_new if append else None,
+                                                  slots, page_table, page_size, func, lens_name)
+        slots = slots._replace(pages=pages) if pages else slots
     run = sel.plan_extend(cu_q, page_table, seq_lens, call.max_q, max_seq_len=max_len, total_q=call.q.shape[0],
                           context_tokens=context, longest=None if context is None else max_len, checked=False)
     return ExtendPlan(run, slots, (cu_q, seq_lens))
 
 
-def _read_and_check(call: ExtendCall, cu_q, cached, seq_lens, cu_new, page_table, page_size: int, func: str,
-                    lens_name: str) -> tuple[int, int]:
-    """One host read of the lengths and offsets; raises where a kernel would read, or the append write, outside a
-    sequence's pages or q's rows. Returns (the longest context, the batch's context tokens) for the dispatch."""
+def _read_and_check(call: ExtendCall, cu_q, cached, seq_lens, cu_new, slots, page_table, page_size: int, func: str,
+                    lens_name: str) -> tuple[int, int, tuple | None]:
+    """One host read of the lengths, offsets and the new tokens' page ids; raises where a kernel would read, or the
+    append write, outside a sequence's pages or q's rows. Returns (the longest context, the batch's context tokens)
+    for the dispatch, and the new tokens' page extremes for kv_append.write (None without new tokens)."""
     q_lens = cu_q[1:] - cu_q[:-1]
     parts = [cached.min(), seq_lens.max(), seq_lens.long().sum(), q_lens.min(), q_lens.max(), cu_q[-1], cu_q[0]]
     if cu_new is not None:
         parts += [(cu_new[1:] - cu_new[:-1]).min(), cu_new[0], cu_new[-1]]
-    got = torch.stack([p.long() for p in parts]).tolist()
+    extremes = kv_append.page_extremes(slots) if slots is not None and slots.page.numel() else []
+    got = torch.stack([p.long() for p in parts + extremes]).tolist()
+    got, pages = got[:len(parts)], tuple(got[len(parts):]) or None
     low, high, total, q_min, q_max, q_end, q_start = got[:7]
     capacity = page_table.shape[1] * page_size
     plus = " + new tokens" if cu_new is not None else ""
@@ -226,4 +230,4 @@ def _read_and_check(call: ExtendCall, cu_q, cached, seq_lens, cu_new, page_table
             raise ValueError(f"attnsel.{func}: cu_seqlens_k_new must start at 0, not decrease and end at k's "
                              f"{call.k.shape[0]} rows; got start {new_start}, end {new_end}, smallest step "
                              f"{new_min}")
-    return high, total
+    return high, total, pages

@@ -4,6 +4,10 @@ A cache is ``[num_pages, page_size, kv_heads, head_dim]`` with a contiguous last
 the k and v halves of one ``[num_pages, 2, page_size, kv_heads, head_dim]`` tensor (``kv[:, 0]``, ``kv[:, 1]``) are
 views whose pages and slots cannot be flattened into one dimension. Writes go through the cache's own strides; no
 copy of a cache is made.
+
+Outside CUDA-graph capture a plan reads the page ids its new tokens go to once, with its lengths (``page_extremes``
+in the caller's one host read); ``write`` refuses a page outside the caches before writing anything (a padding row's
+sentinel page id, -1 or num_pages: indexed into a strided cache, -1 wraps to the last page, another sequence's).
 """
 from __future__ import annotations
 
@@ -18,6 +22,10 @@ class Slots(NamedTuple):
     flat: torch.Tensor
     page: torch.Tensor
     offset: torch.Tensor
+    row: torch.Tensor | None = None  # the sequence each new token belongs to (None: token i is sequence i's)
+    # (lowest page id, its sequence, highest page id, its sequence) read on the host when the plan was made; None:
+    # not read (a plan made during CUDA-graph capture, which reads nothing)
+    pages: tuple[int, int, int, int] | None = None
 
 
 def plan_slots(page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int) -> Slots:
@@ -42,12 +50,24 @@ def plan_new_slots(page_table: torch.Tensor, cache_seqlens: torch.Tensor, cu_new
     pos = (cache_seqlens.long()[row] + token - cu[row]).clamp_(min=0)
     page = page_table[row, (pos // page_size).clamp(max=width - 1)].long()
     offset = pos % page_size
-    return Slots(page * page_size + offset, page, offset)
+    return Slots(page * page_size + offset, page, offset, row)
 
 
-def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Slots) -> None:
+def page_extremes(slots: Slots) -> list[torch.Tensor]:
+    """Device scalars for the caller's host read of a plan (at least one new token): the lowest and highest page id
+    the new tokens go to, each with its sequence; the values read back go to ``Slots.pages``."""
+    page, row = slots.page, slots.row
+    low, high = page.argmin(), page.argmax()
+    return [page[low], low if row is None else row[low], page[high], high if row is None else row[high]]
+
+
+def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Slots,
+          func: str = "flash_attn_with_kvcache") -> None:
     """k/v ``[batch, 1, kv_heads, head_dim]`` (one token per sequence) or ``[tokens, kv_heads, head_dim]`` (the
-    slots of plan_new_slots) into the caches at their slots, in place."""
+    slots of plan_new_slots) into the caches at their slots, in place. ValueError, before anything is written, when
+    the page ids read at plan time (``slots.pages``) fall outside the caches' pages."""
+    if slots.pages is not None:
+        check_pages(slots.pages, k_cache.shape[0], func)
     batch = slots.flat.shape[0]
     for cache, new in ((k_cache, k), (v_cache, v)):
         rows = new.reshape(batch, cache.shape[2], cache.shape[3])
@@ -55,3 +75,15 @@ def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torc
             cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slots.flat, rows)
         else:  # a strided view: indexed by page and offset through its strides
             cache.index_put_((slots.page, slots.offset), rows)
+
+
+def check_pages(pages: tuple[int, int, int, int], num_pages: int, func: str) -> None:
+    """ValueError naming a page id outside ``[0, num_pages)`` that a new token would be written to, and its sequence."""
+    low, low_row, high, high_row = pages
+    if low >= 0 and high < num_pages:
+        return
+    bad, row = (low, low_row) if low < 0 else (high, high_row)
+    raise ValueError(f"attnsel.{func}: page_table gives page {bad} to a new token of sequence {row} (new k/v are "
+                     f"written at each sequence's cache_seqlens), but k_cache/v_cache hold {num_pages} pages; allowed: "
+                     f"page ids 0 <= id < {num_pages} wherever a new token goes (a padding row's too: point it at "
+                     "a real page)")
