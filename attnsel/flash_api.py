@@ -134,6 +134,8 @@ class FlashAttention:
             opts = {**backend_settings(env, self._options),
                     **self._options,
                     **({"mode": mode} if mode else {})}
+            if not spec.causal:  # only varlen calls make non-causal specs; extend calls resolve causal specs
+                opts["extend"] = "auto"  # a backend named for extend serves those, not these (none can: causal only)
             check_may_select(spec, mode)
             announce(spec, device, opts.get("cache_dir"))
             sel = select(spec, opts.pop("prefill"), opts.pop("decode"), extend=opts.pop("extend"), device=str(device),
