@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from pathlib import Path
 from typing import Literal
 
@@ -71,8 +72,14 @@ class AttentionSpec:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {', '.join(DTYPES)} (or torch's name or dtype for one: bfloat16, "
                             f"float16/half, float32/float), got {self.dtype!r}")
-        if self.softmax_scale is not None and not (self.softmax_scale > 0 and math.isfinite(self.softmax_scale)):
-            raise SpecError(f"softmax_scale must be a positive finite number or None, got {self.softmax_scale!r}")
+        if not isinstance(self.causal, bool):  # "False" is truthy: a string would mean causal
+            raise SpecError(f"causal must be True or False, got {self.causal!r}")
+        scale = self.softmax_scale
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                                  or not (scale > 0 and math.isfinite(scale))):
+            raise SpecError(f"softmax_scale must be a positive finite number or None, got {scale!r}")
+        if scale is not None:  # numpy's float32 too: one spec and cache key per value, stored as JSON
+            object.__setattr__(self, "softmax_scale", float(scale))
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
             raise SpecError(f"sliding_window must be None or a positive integer (tokens), got {window!r}")
