@@ -31,6 +31,7 @@ class Slots(NamedTuple):
 def plan_slots(page_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int) -> Slots:
     """The slots of tokens at positions cache_seqlens (made once per plan; no host sync). A position past the table
     is clamped to its last page (the caller refuses such lengths before writing, outside CUDA-graph capture)."""
+    no_pages(page_table, cache_seqlens.shape[0])
     pos = cache_seqlens.long()
     page = page_table.gather(1, (pos // page_size)[:, None].clamp(max=page_table.shape[1] - 1))[:, 0].long()
     offset = pos % page_size
@@ -44,6 +45,7 @@ def plan_new_slots(page_table: torch.Tensor, cache_seqlens: torch.Tensor, cu_new
     past ``cu_new[batch]`` and positions past the table are clamped into it (the caller refuses both before writing,
     outside CUDA-graph capture)."""
     batch, width = page_table.shape
+    no_pages(page_table, total)
     token = torch.arange(total, device=page_table.device)
     cu = cu_new.long()
     row = torch.searchsorted(cu[1:], token, right=True).clamp_(max=max(batch - 1, 0))
@@ -51,6 +53,14 @@ def plan_new_slots(page_table: torch.Tensor, cache_seqlens: torch.Tensor, cu_new
     page = page_table[row, (pos // page_size).clamp(max=width - 1)].long()
     offset = pos % page_size
     return Slots(page * page_size + offset, page, offset, row)
+
+
+def no_pages(page_table: torch.Tensor, tokens: int) -> None:
+    """ValueError for new tokens and a page table without columns (a host check: the caller's read of the lengths,
+    which would say the same, comes after the slots are planned)."""
+    if tokens and not page_table.shape[1]:
+        raise ValueError(f"attnsel: page_table {tuple(page_table.shape)} has no pages for the {tokens} new tokens "
+                         "(k/v); allowed: page_table.shape[1] * page_size >= cache_seqlens + new tokens per sequence")
 
 
 def page_extremes(slots: Slots) -> list[torch.Tensor]:

@@ -72,3 +72,14 @@ def test_new_tokens_with_pages_are_written_and_attended(layout, new):
     assert (out[0].double() - _reference(q[0], *keys0)).abs().max() < 1e-5
     assert (out[1].double() - _reference(q[1], k[1], v[1])).abs().max() < 1e-5
     assert torch.equal(k_cache[0, :new], k[1]) and torch.equal(v_cache[0, :new], v[1])
+
+
+@pytest.mark.parametrize("new", [1, 2])
+def test_new_tokens_and_a_page_table_without_columns_are_named(new):
+    """The page extremes are planned before the one host read: a table of no columns must still give a ValueError
+    naming it, not an index error from planning the slots."""
+    k_cache, v_cache = _caches("contiguous")
+    q, k, v = torch.randn(2, new, HQ, D), torch.randn(2, new, HK, D), torch.randn(2, new, HK, D)
+    with pytest.raises(ValueError, match=r"page_table \(2, 0\).*allowed"):
+        attnsel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.zeros(2, dtype=torch.int32),
+                                         page_table=torch.zeros(2, 0, dtype=torch.int32), causal=True)
