@@ -66,6 +66,9 @@ def mismatch(questions: list) -> str | None:
         keys = dict.fromkeys(k for q in questions for k in q)
         names = [k for k in keys if any(q.get(k, _ABSENT) != questions[0].get(k, _ABSENT) for q in questions)]
         differ = f" They differ in: {', '.join(map(str, names))}."
+        if "backends" in names:
+            differ += (" A backend of one name is another version or source, or unavailable, on some rank (rank 0 "
+                       "validates only its own): install the same backends on every rank.")
     return (f"the {len(questions)} ranks asked different questions, so no rank got an answer (rank 0 decides once "
             f"for all: its answer would be wrong for the others; {SAME_ORDER}).{differ}\n  " + "\n  ".join(lines))
 
@@ -84,7 +87,7 @@ def agree(decide: Callable[[], T], question, *, timeout: float | None = None,
     """
     timeout = _seconds("timeout", timeout, "dist_timeout_s")
     decide_timeout = _seconds("decide_timeout", decide_timeout, "dist_decide_timeout_s")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not several_ranks():
         return decide()
     rank, world = dist.get_rank(), dist.get_world_size()
     asked = f"rank {rank} of {world} (asking: {describe(question)})"
@@ -104,6 +107,11 @@ def agree(decide: Callable[[], T], question, *, timeout: float | None = None,
             dist.destroy_process_group(answering)
     finally:
         dist.destroy_process_group(asking)
+
+
+def several_ranks() -> bool:
+    """Whether torch.distributed is initialised with more than one rank (agree then makes them agree)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _gloo_group(seconds: float):

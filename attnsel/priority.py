@@ -35,3 +35,20 @@ def priority_list(phase: Phase, given: list[str] | tuple[str, ...] | None) -> li
     default = list(DEFAULT_PRIORITY[phase])
     plugins = [n for n in backends.names() if n not in backends.BUILTINS]
     return default[:-1] + plugins + default[-1:]
+
+
+def identities(spec, names: dict[str, list[str]], mode: str, device: str) -> dict[str, dict[str, str]]:
+    """Per phase, each candidate's identity here: its version and source hash (the cache key's), or "unavailable".
+    Part of the question ranks agree on (dist.agree): rank 0 validates its own install, so a backend of one name
+    that is other code, or missing, on another rank (another node's image) must stop every rank instead of serving
+    there unvalidated."""
+    import torch
+
+    out: dict[str, dict[str, str]] = {}
+    for phase, phase_names in names.items():
+        out[phase] = {}
+        for name in phase_names:
+            reason, identity = backends.availability_in(backends.get(name), spec, phase, mode, torch.device(device))
+            out[phase][name] = ("unavailable" if reason else
+                                f"version {identity['version']!r}, source {str(identity['source'])[:12]}")
+    return out

@@ -17,9 +17,9 @@ from .cache import ResultCache
 from .canary import Canary, every_from
 from .device import kind as device_kind
 from .dispatch import DispatchTable, build_table  # noqa: F401 (build_table: importable from here)
-from .dist import agree
+from .dist import agree, several_ranks
 from .errors import AttnselError, CannotRun, InvalidArgument
-from .priority import priority_list
+from .priority import identities, priority_list
 from .run_checks import (
     _host_int,
     _pages_checked,
@@ -413,6 +413,9 @@ def select(spec: AttentionSpec, prefill: str = AUTO, decode: str = AUTO, extend:
     question = {"spec": spec, "prefill": prefill, "decode": decode, "extend": extend,
                 "prefill_priority": orders["prefill"], "decode_priority": orders["decode"],
                 "extend_priority": orders["extend"], "policy": policy, "mode": mode, "device": device_kind(device)}
+    if several_ranks():  # what each name is on this rank: rank 0 validates only its own
+        question["backends"] = identities(spec, {p: [c] if c != AUTO else orders[p] for p, c in choices.items()},
+                                          mode, device)
     selection = agree(lambda: _decide(spec, choices, orders, policy, mode, timeout, cache_dir, use_cache, device,
                                       budget_s), question)
     if not every:
