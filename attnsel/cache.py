@@ -47,6 +47,7 @@ class ResultCache:
         self.path = self.dir / FILENAME
         self.lock = filelock.FileLock(str(self.path) + ".lock", timeout=120)
         self._warned: tuple | None = None  # the file state (size, mtime) last warned about: put_many re-reads it
+        self._foreign = None  # the schema of another attnsel version's results file, as last read (else None)
 
     def prepare(self) -> None:
         """Make the cache directory if it is missing; ValueError naming it when it cannot be one (a file is in the
@@ -71,6 +72,7 @@ class ResultCache:
                                   "another cache directory (--cache-dir, $ATTNSEL_CACHE_DIR) or --no-cache")
 
     def _read(self) -> dict:
+        self._foreign = None
         try:
             raw = self.path.read_bytes()
             state = (len(raw), self.path.stat().st_mtime_ns)
@@ -80,6 +82,7 @@ class ResultCache:
             log.warning("cache %s unreadable (%s); ignoring it", self.path, exc)
             return {}
         entries, problem = _parse(raw)
+        self._foreign = _foreign_schema(raw) if problem else None
         if problem and state != self._warned:  # once per file state: a run reads it, then re-reads it to write
             self._warned = state
             log.warning("cache %s: %s", self.path, problem)
@@ -95,6 +98,8 @@ class ResultCache:
         self.check_file()
         with self.lock:
             entries = self._read()
+            if self._kept():
+                return
             for key, entry in new.items():
                 merged = dict(entries.get(key, {}))
                 timings = {**merged.get("timings", {}), **entry.get("timings", {})}
@@ -112,9 +117,20 @@ class ResultCache:
         with self.lock:
             entries = self._read()
             removed = [k for k in keys if k in entries]
-            if removed:
+            if removed and not self._kept():
                 self._write({k: e for k, e in entries.items() if k not in removed})
         return removed
+
+    def _kept(self) -> bool:
+        """True (with a warning) when the file just read is another attnsel version's (another schema): it is not
+        replaced, which would wipe that version's results on every run of this one."""
+        if self._foreign is None:
+            return False
+        log.warning("cache %s was written by another attnsel version (schema %r; this one reads and writes %d): "
+                    "left as it is, so this run's results are not stored; give each version its own --cache-dir "
+                    "($%s), or `attnsel cache clear` to let this one replace it", self.path, self._foreign, SCHEMA,
+                    settings.ENV["cache_dir"])
+        return True
 
     def _write(self, entries: dict) -> None:
         """Replace the file atomically (the caller holds the lock)."""
@@ -156,6 +172,8 @@ def _parse(raw: bytes) -> tuple[dict, str | None]:
         return {}, f"corrupt ({exc}); ignoring it, it will be rewritten"
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        if _foreign_schema(raw) is not None:  # another version's: put_many leaves it (ResultCache._kept)
+            return {}, f"schema {found!r}, expected {SCHEMA}: another attnsel version's file; its entries are not read"
         return {}, f"schema {found!r}, expected {SCHEMA}; ignoring it, it will be rewritten"
     entries, bad = {}, []
     for key, entry in data["entries"].items():
@@ -169,6 +187,18 @@ def _parse(raw: bytes) -> tuple[dict, str | None]:
     # each is validated or timed again and its new entry replaces it
     return entries, (f"{len(bad)} malformed entr{'y' if len(bad) == 1 else 'ies'} ignored ({'; '.join(bad[:3])}); "
                      "they will be rewritten")
+
+
+def _foreign_schema(raw: bytes):
+    """The schema of a results file that another attnsel version wrote (valid JSON, an object with entries and a
+    schema other than SCHEMA), else None (corrupt, or a stray file: rewritten)."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("entries"), dict) and data.get("schema", SCHEMA) != SCHEMA:
+        return data["schema"]
+    return None
 
 
 def entry_problem(entry) -> str | None:
