@@ -133,7 +133,10 @@ class ResultCache:
         return True
 
     def _write(self, entries: dict) -> None:
-        """Replace the file atomically (the caller holds the lock)."""
+        """Replace the file atomically (the caller holds the lock), first removing the temporary files of writers
+        that died mid-write (SIGKILL): only a writer holding the lock makes one, so any there now is a dead one's."""
+        for stale in self.dir.glob(".results-*.tmp"):
+            stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".results-", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as fh:

@@ -27,3 +27,40 @@ def test_a_file_of_another_schema_is_not_overwritten(tmp_path, caplog):
     assert f"schema {SCHEMA + 1}" in caplog.text and "another attnsel version" in caplog.text, caplog.text
     assert "not stored" in caplog.text and "--cache-dir" in caplog.text, caplog.text
     assert cache.clear() == 0 and not cache.path.exists()  # an explicit clear still removes it
+
+
+def _write_for_ever(directory: str) -> None:
+    cache = ResultCache(directory)
+    for i in range(10**9):
+        cache.put_many({f"{os.getpid()}-{i}": {"status": "valid", "reason": "x" * 50000}})
+
+
+def cache_written(directory) -> bool:
+    return (directory / "results.json").exists()
+
+
+def test_temporary_files_of_killed_writers_are_removed(tmp_path):
+    """Writers killed mid-write (SIGKILL: an OOM kill, a node drain) left their temporary files, each as large as
+    the results file, for ever. The file stays valid, and the next write removes what dead writers left."""
+    ctx = mp.get_context("spawn")
+    for _ in range(3):
+        before = set(tmp_path.glob(".results-*.tmp"))
+        procs = [ctx.Process(target=_write_for_ever, args=(str(tmp_path),)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (cache_written(tmp_path) and set(tmp_path.glob(".results-*.tmp"))
+                                                    - before):
+            time.sleep(0.002)  # kill while a new temporary file exists: mid-write
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join()
+    left = list(tmp_path.glob(".results-*.tmp"))
+    if not left:
+        pytest.skip("no writer was killed mid-write")
+    cache = ResultCache(tmp_path)
+    assert cache.entries()  # the results file is whole
+    cache.put_many({"after": {"status": "valid", "reason": ""}})
+    assert not list(tmp_path.glob(".results-*.tmp"))
+    assert "after" in json.loads(cache.path.read_text())["entries"]
