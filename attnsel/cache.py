@@ -53,7 +53,7 @@ class ResultCache:
         """Make the cache directory if it is missing; ValueError naming it when it cannot be one (a file is in the
         way, a path it may not create): checked before a selection spends minutes validating, whose results it
         could not keep. An existing directory passes even when read-only (a complete cache shipped read-only is
-        usable; storing new entries there still fails when they are written)."""
+        usable; new entries that cannot be stored there are a warning, store.Store)."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

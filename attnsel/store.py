@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 
 from .cache import ResultCache, entry_key
 from .spec import AttentionSpec
 from .validate import WRONG_OUTPUT, timing
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -88,6 +91,7 @@ class Store:
     def __init__(self, fingerprint: dict, spec: AttentionSpec, mode: str, cache_dir: str | None, use: bool):
         self.fingerprint, self.spec, self.mode = fingerprint, spec, mode
         self.cache = ResultCache(cache_dir) if use else None
+        self._unstored = False  # a write failed (warned once)
         if self.cache is not None:
             self.cache.prepare()  # a directory that cannot be one is named before any worker starts
 
@@ -108,18 +112,32 @@ class Store:
     def put_verdicts(self, entries: dict[str, dict]) -> None:
         """Store validation entries; transient rejections (timeouts, machine faults) are reported, not remembered."""
         if self.cache is not None:
-            self.cache.put_many({k: e for k, e in entries.items() if not e.get("transient")})
+            self._put({k: e for k, e in entries.items() if not e.get("transient")})
 
     def timings(self, key: TableKey) -> dict | None:
         """The stored dispatch entry of a key, or None."""
         return self.cache.get_many([key.text()]).get(key.text()) if self.cache is not None else None
+
+    def _put(self, entries: dict[str, dict]) -> None:
+        """Merge entries into the cache; a write that fails (a full disk, a read-only directory, a lock held past its
+        timeout) is a warning, not the selection's failure: what was validated and timed still serves, the next
+        selection makes it again."""
+        try:
+            self.cache.put_many(entries)
+        except OSError as exc:  # filelock.Timeout is one
+            if not self._unstored:
+                self._unstored = True
+                log.warning("results could not be stored in the cache %s (%s: %s): this selection serves what it "
+                            "found, the next one validates and times it again; free or fix the directory, or give "
+                            "another (--cache-dir, $ATTNSEL_CACHE_DIR) or --no-cache", self.cache.dir,
+                            type(exc).__name__, exc)
 
     def put_timings(self, key: TableKey, buckets: int, candidates: list[str], measured: dict,
                     share: float) -> None:
         """Store a phase's timings; ``share``: the phase's share of the budget (recorded as null when unlimited)."""
         if self.cache is None:
             return
-        self.cache.put_many({key.text(): {
+        self._put({key.text(): {
             "kind": "dispatch", "backend": "(dispatch table)", "phase": key.phase, "status": f"{buckets} buckets",
             "mode": key.mode, "spec": self.spec.to_dict(), "device": self.fingerprint.get("gpu") or "cpu",
             "candidates": candidates, "budget_s": recorded_share(share), "measured": measured}})
