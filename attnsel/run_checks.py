@@ -2,6 +2,7 @@
 only, no sync), the plan's metadata arguments, the FlashAttention layout view and a plan's ``current()``."""
 from __future__ import annotations
 
+import logging
 import numbers
 
 import torch
@@ -10,6 +11,8 @@ from . import metadata_values
 from .backends import RunFn
 from .errors import InvalidArgument
 from .spec import DTYPES, KV_DTYPES, AttentionSpec
+
+log = logging.getLogger(__name__)
 
 _NAMES = {**DTYPES, **KV_DTYPES}  # a tensor's dtype in the spec's words, in messages
 
@@ -258,3 +261,19 @@ def plan_is_current(run: RunFn) -> bool:
     current = getattr(run, "current", None)
     return current is None or bool(current())
 
+
+
+def planned(phase: str, name: str, source: str, shape: str, plan, *args) -> RunFn:
+    """``plan(*args)``, the backend's plan function; when it raises, the error goes on to the caller (the backend is
+    not replaced behind its back) with a note, and a logged error, naming the backend, the phase, the batch and what
+    picked it (``source``: the phase's, "auto" or "explicit"): with automatic dispatch the caller cannot tell which
+    backend served a batch."""
+    try:
+        return plan(*args)
+    except Exception as exc:
+        how = "chosen explicitly" if source == "explicit" else "chosen automatically for this shape"
+        what = (f"attnsel: {phase} backend {name!r} ({how}) failed to plan a batch of {shape}: "
+                f"{type(exc).__name__}: {exc}; it was not replaced by another backend")
+        log.error("%s", what)
+        exc.add_note(what)
+        raise

@@ -14,7 +14,7 @@ import torch
 from . import backends, metadata_values, selector
 from .backends import PHASES, Phase, RunFn
 from .cache import ResultCache
-from .canary import Canary, every_from
+from .canary import Canary, every_from, shape_text
 from .device import kind as device_kind
 from .dispatch import DispatchTable, build_table  # noqa: F401 (build_table: importable from here)
 from .dist import agree, several_ranks
@@ -27,6 +27,7 @@ from .run_checks import (
     check_extend_metadata,
     check_longest,
     check_prefill_metadata,
+    planned,
     checked_decode,
     checked_extend,
     checked_prefill,
@@ -180,7 +181,9 @@ class Selection:
         if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
             name, sample = self.canary.serve("prefill", self.phases["prefill"], (n, tokens, max_seqlen_q), None,
                                              name, cu_seqlens_q)
-        run = backends.get(name).plan_prefill(self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        shape = shape_text("prefill", (n, tokens, max_seqlen_q), None)
+        run = planned("prefill", name, self.phases["prefill"].source, shape, backends.get(name).plan_prefill,
+                      self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if sample is not None:
             run = sample.wrap(run, (cu_seqlens_q, cu_seqlens_k))
         if not checked:
@@ -240,7 +243,8 @@ class Selection:
             name, sample = self.canary.serve("decode", self.phases["decode"], (batch, ctx), longest_row, name,
                                              seq_lens)
         backend = backends.get(name)
-        run = backend.plan_decode(self.spec, page_table, seq_lens)
+        run = planned("decode", name, self.phases["decode"].source, shape_text("decode", (batch, ctx), longest_row),
+                      backend.plan_decode, self.spec, page_table, seq_lens)
         if sample is not None:
             run = sample.wrap(run, (page_table, seq_lens), longest if longest is not None else max_seq_len)
         b1hd = q_layout == "b1hd"
@@ -292,7 +296,9 @@ class Selection:
         sample = None
         if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
             name, sample = self.canary.serve("extend", self.phases["extend"], key, None, name, seq_lens)
-        run = backends.get(name).plan_extend(self.spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q, bound)
+        run = planned("extend", name, self.phases["extend"].source, shape_text("extend", key, None),
+                      backends.get(name).plan_extend, self.spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q,
+                      bound)
         if sample is not None:
             run = sample.wrap(run, (cu_seqlens_q, page_table, seq_lens), bound)
         if not checked:
