@@ -262,18 +262,19 @@ def plan_is_current(run: RunFn) -> bool:
     return current is None or bool(current())
 
 
-
-def planned(phase: str, name: str, source: str, shape: str, plan, *args) -> RunFn:
+def planned(phase: str, name: str, source: str, shape, plan, *args) -> RunFn:
     """``plan(*args)``, the backend's plan function; when it raises, the error goes on to the caller (the backend is
-    not replaced behind its back) with a note, and a logged error, naming the backend, the phase, the batch and what
-    picked it (``source``: the phase's, "auto" or "explicit"): with automatic dispatch the caller cannot tell which
-    backend served a batch."""
+    not replaced behind its back) with a note (Python 3.11+) and a logged error naming the backend, the phase, the
+    batch and what picked it (``source``: the phase's, "auto" or "explicit"): with automatic dispatch the caller
+    cannot tell which backend served a batch. ``shape``: a function giving the batch's text, called on failure only
+    (the plan path formats nothing)."""
     try:
         return plan(*args)
     except Exception as exc:
         how = "chosen explicitly" if source == "explicit" else "chosen automatically for this shape"
-        what = (f"attnsel: {phase} backend {name!r} ({how}) failed to plan a batch of {shape}: "
+        what = (f"attnsel: {phase} backend {name!r} ({how}) failed to plan a batch of {shape()}: "
                 f"{type(exc).__name__}: {exc}; it was not replaced by another backend")
         log.error("%s", what)
-        exc.add_note(what)
+        if hasattr(exc, "add_note"):
+            exc.add_note(what)
         raise

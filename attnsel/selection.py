@@ -27,10 +27,10 @@ from .run_checks import (
     check_extend_metadata,
     check_longest,
     check_prefill_metadata,
-    planned,
     checked_decode,
     checked_extend,
     checked_prefill,
+    planned,
     viewed_b1hd,
 )
 from .selector import Candidate, one_line
@@ -181,7 +181,7 @@ class Selection:
         if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
             name, sample = self.canary.serve("prefill", self.phases["prefill"], (n, tokens, max_seqlen_q), None,
                                              name, cu_seqlens_q)
-        shape = shape_text("prefill", (n, tokens, max_seqlen_q), None)
+        shape = lambda: shape_text("prefill", (n, tokens, max_seqlen_q), None)  # noqa: E731 (formatted on failure)
         run = planned("prefill", name, self.phases["prefill"].source, shape, backends.get(name).plan_prefill,
                       self.spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if sample is not None:
@@ -243,8 +243,9 @@ class Selection:
             name, sample = self.canary.serve("decode", self.phases["decode"], (batch, ctx), longest_row, name,
                                              seq_lens)
         backend = backends.get(name)
-        run = planned("decode", name, self.phases["decode"].source, shape_text("decode", (batch, ctx), longest_row),
-                      backend.plan_decode, self.spec, page_table, seq_lens)
+        shape = lambda: shape_text("decode", (batch, ctx), longest_row)  # noqa: E731 (formatted on failure only)
+        run = planned("decode", name, self.phases["decode"].source, shape, backend.plan_decode, self.spec, page_table,
+                      seq_lens)
         if sample is not None:
             run = sample.wrap(run, (page_table, seq_lens), longest if longest is not None else max_seq_len)
         b1hd = q_layout == "b1hd"
@@ -296,7 +297,7 @@ class Selection:
         sample = None
         if self.canary is not None:  # may demote the pick, may sample this plan (module canary)
             name, sample = self.canary.serve("extend", self.phases["extend"], key, None, name, seq_lens)
-        run = planned("extend", name, self.phases["extend"].source, shape_text("extend", key, None),
+        run = planned("extend", name, self.phases["extend"].source, lambda: shape_text("extend", key, None),
                       backends.get(name).plan_extend, self.spec, cu_seqlens_q, page_table, seq_lens, max_seqlen_q,
                       bound)
         if sample is not None:
