@@ -15,9 +15,9 @@ NEWER = {"schema": SCHEMA + 1, "entries": {"k": {"whatever": "a newer attnsel st
 
 
 def test_a_file_of_another_schema_is_not_overwritten(tmp_path, caplog):
-    """Was: another attnsel version's results file (another schema) was read as corrupt and replaced by this
-    version's at its first write: two versions sharing the default cache directory wiped each other's results on
-    every run. Now it is left as it is, and the warning says why and what to do."""
+    """Another attnsel version's results file (another schema) is left as it is, not read as corrupt and replaced
+    (two versions sharing the default cache directory would wipe each other's results every run); the warning says
+    why and what to do."""
     cache = ResultCache(tmp_path)
     cache.path.write_text(json.dumps(NEWER))
     with caplog.at_level(logging.WARNING):

@@ -8,16 +8,7 @@ import pytest
 
 import attnsel.cache as cache_mod
 from attnsel import select
-from attnsel.spec import AttentionSpec
-
-SPEC = AttentionSpec(4, 2, 64, "fp16")
-PAIR = dict(prefill_priority=["torch_copy", "torch"], decode_priority=["torch_copy", "torch"],
-            extend_priority=["torch_copy", "torch"])
-
-
-@pytest.fixture
-def pair(monkeypatch, inproc_worker):
-    monkeypatch.setenv("ATTNSEL_BACKENDS", "tests.fixtures.fault_numerics:TORCH_COPY")
+from tests.test_cache import PAIR, SPEC, pair  # noqa: F401 (pair: the fixture, used by name)
 
 
 def _full(*args, **kwargs):
@@ -36,8 +27,8 @@ def _lock_held(self, *args, **kwargs):
 @pytest.mark.parametrize("policy", ["priority", "measure"])
 @pytest.mark.parametrize("fault", ["full", "read_only", "lock_held"])
 def test_results_that_cannot_be_stored_do_not_fail_the_selection(fault, policy, monkeypatch, caplog):
-    """Was: select() validated (and timed) every candidate, then raised the OSError of the write (ENOSPC, EACCES on
-    the lock file) or filelock.Timeout: a server could not start because its cache could not grow."""
+    """A write that fails (ENOSPC, EACCES on the lock file, filelock.Timeout) after every candidate was validated
+    (and timed) costs the cache entry, not the selection: a server starts although its cache cannot grow."""
     if fault == "full":
         monkeypatch.setattr(cache_mod.tempfile, "mkstemp", _full)
     else:

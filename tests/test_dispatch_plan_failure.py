@@ -25,8 +25,8 @@ def sel(monkeypatch):
 
 
 def test_a_failing_plan_names_the_backend_phase_and_batch(sel, caplog):
-    """Was: the backend's bare RuntimeError ("workspace allocation failed"), nothing saying that flaky_b served the
-    batch (the table picked it) nor for which shape."""
+    """The backend's RuntimeError ("workspace allocation failed") reaches the caller with its type, naming flaky_b
+    (the table picked it), the phase and the batch's shape."""
     table = torch.zeros(40, 20, dtype=torch.int32)
     lens = torch.full((40,), 200, dtype=torch.int32)
     assert sel.plan_decode(table[:1], lens[:1], max_seq_len=200) is not None  # flaky_a's bucket plans

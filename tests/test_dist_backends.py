@@ -3,13 +3,11 @@ node's image), or unavailable there. Rank 0 validates its own; every rank must a
 of them raise, instead of a rank silently serving code nobody validated."""
 import json
 import os
-import time
 
-import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from attnsel.spec import AttentionSpec
+from tests.test_dist_agree import _run_ranks
 
 SPEC = AttentionSpec(4, 2, 64, "fp16")
 DEADLINE_S = 90
@@ -37,16 +35,9 @@ def _ranks(rank: int, world: int, store: str, out_dir: str) -> None:
 
 
 def test_a_backend_that_differs_between_ranks_raises_on_every_rank(tmp_path):
-    """Was: both ranks got a Selection serving "torch_copy", rank 1 its own copy that rank 0 never validated (and
-    that doubles every output). Now AgreementError on both, naming the backend and each rank's identity."""
-    ctx = mp.spawn(_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"the ranks hung: not done after {DEADLINE_S} s")
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    """Rank 1's "torch_copy" is other code (it doubles every output) that rank 0 never validated: AgreementError on
+    both ranks, naming the backend and each rank's identity, instead of rank 1 serving it."""
+    records = _run_ranks(_ranks, tmp_path)
     for rank, got in enumerate(records):
         assert got.get("error") == "AgreementError", (rank, got)
         assert "They differ in: backends" in got["message"], got["message"]
