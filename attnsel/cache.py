@@ -81,8 +81,7 @@ class ResultCache:
         except OSError as exc:
             log.warning("cache %s unreadable (%s); ignoring it", self.path, exc)
             return {}
-        entries, problem = _parse(raw)
-        self._foreign = _foreign_schema(raw) if problem else None
+        entries, problem, self._foreign = _parse(raw)
         if problem and state != self._warned:  # once per file state: a run reads it, then re-reads it to write
             self._warned = state
             log.warning("cache %s: %s", self.path, problem)
@@ -165,19 +164,22 @@ class ResultCache:
         return count
 
 
-def _parse(raw: bytes) -> tuple[dict, str | None]:
-    """The results file's valid entries and, when anything was dropped, what and why (for the warning)."""
+def _parse(raw: bytes) -> tuple[dict, str | None, object]:
+    """The results file's valid entries, when anything was dropped what and why (for the warning), and the schema
+    of another attnsel version's file (else None; put_many leaves such a file: ResultCache._kept)."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:  # bytes that are no text: as corrupt as broken JSON
-        return {}, f"corrupt (not UTF-8: {exc}); ignoring it, it will be rewritten"
+        return {}, f"corrupt (not UTF-8: {exc}); ignoring it, it will be rewritten", None
     except json.JSONDecodeError as exc:
-        return {}, f"corrupt ({exc}); ignoring it, it will be rewritten"
+        return {}, f"corrupt ({exc}); ignoring it, it will be rewritten", None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        if _foreign_schema(raw) is not None:  # another version's: put_many leaves it (ResultCache._kept)
-            return {}, f"schema {found!r}, expected {SCHEMA}: another attnsel version's file; its entries are not read"
-        return {}, f"schema {found!r}, expected {SCHEMA}; ignoring it, it will be rewritten"
+        foreign = _foreign_schema(data)
+        if foreign is not None:
+            return {}, (f"schema {found!r}, expected {SCHEMA}: another attnsel version's file; its entries are not "
+                        "read"), foreign
+        return {}, f"schema {found!r}, expected {SCHEMA}; ignoring it, it will be rewritten", None
     entries, bad = {}, []
     for key, entry in data["entries"].items():
         problem = entry_problem(entry)
@@ -186,19 +188,15 @@ def _parse(raw: bytes) -> tuple[dict, str | None]:
         else:
             entries[key] = entry
     if not bad:
-        return entries, None
+        return entries, None, None
     # each is validated or timed again and its new entry replaces it
     return entries, (f"{len(bad)} malformed entr{'y' if len(bad) == 1 else 'ies'} ignored ({'; '.join(bad[:3])}); "
-                     "they will be rewritten")
+                     "they will be rewritten"), None
 
 
-def _foreign_schema(raw: bytes):
-    """The schema of a results file that another attnsel version wrote (valid JSON, an object with entries and a
-    schema other than SCHEMA), else None (corrupt, or a stray file: rewritten)."""
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except ValueError:
-        return None
+def _foreign_schema(data):
+    """The schema of a results file (parsed JSON) that another attnsel version wrote (an object with entries and a
+    schema other than SCHEMA), else None (a stray file: rewritten)."""
     if isinstance(data, dict) and isinstance(data.get("entries"), dict) and data.get("schema", SCHEMA) != SCHEMA:
         return data["schema"]
     return None
